@@ -1,0 +1,61 @@
+"""Chapter 2: one allocation, many named views — the layout shared by weights and activation buffers.
+
+A GPU allocation is slow and fragments memory, so the engine makes one blob for all weights and one
+for all activation buffers, each sized for the largest step up front and reused by every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.config import LlamaConfig
+
+ALIGN = 256  # bytes: cuBLAS and vector loads want every array to start on an aligned address
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str       # "bf16" or "f32"
+    offset: int      # bytes from the start of the blob
+    nbytes: int
+
+
+ITEMSIZE = {"bf16": 2, "f32": 4}
+
+
+def lay_out(arrays: list[tuple[str, tuple[int, ...], str]]) -> list[Region]:
+    """Place (name, shape, dtype) arrays back to back, each start rounded up to ALIGN bytes."""
+    regions, offset = [], 0
+    for name, shape, dtype in arrays:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype]
+        regions.append(Region(name, tuple(shape), dtype, offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return regions
+
+
+def blob_size(regions: list[Region]) -> int:
+    return regions[-1].offset + regions[-1].nbytes if regions else 0
+
+
+def carve(blob, regions: list[Region]) -> dict:
+    """Named views into a 1-D uint8 blob (NumPy or CuPy): bf16 as uint16 bits, f32 as float32."""
+    np_dtype = {"bf16": np.uint16, "f32": np.float32}
+    return {r.name: blob[r.offset:r.offset + r.nbytes].view(np_dtype[r.dtype]).reshape(r.shape)
+            for r in regions}
+
+
+def plan_buffers(cfg: LlamaConfig, max_tokens: int, max_seqs: int, dtype: str) -> list[Region]:
+    """Every activation buffer of one step of up to `max_tokens` tokens from up to `max_seqs` sequences."""
+    h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+    return lay_out([
+        ("residual", (max_tokens, h), dtype),              # x, carried from layer to layer
+        ("normed", (max_tokens, h), dtype),                # RMSNorm(x): input of the next GEMM
+        ("qkv", (max_tokens, qkv), dtype),                 # Q, K, V side by side: one GEMM writes all three
+        ("attn_out", (max_tokens, cfg.q_size), dtype),
+        ("gate_up", (max_tokens, 2 * cfg.intermediate_size), dtype),  # gate and up: one GEMM
+        ("mlp_act", (max_tokens, cfg.intermediate_size), dtype),
+        ("logits", (max_seqs, cfg.vocab_size), "f32"),     # only the positions that sample
+    ])

@@ -1,0 +1,136 @@
+"""Chapter 1: the map. The whole Llama forward pass in readable NumPy float32 — the oracle.
+
+Every faster path in tinyvllm (the CUDA kernels, the paged cache, the batched engine) is checked
+against this file, and this file is checked against HF transformers. Shapes, with T tokens:
+
+    ids (T,) -> embed (T, hidden) -> layers x [RMSNorm -> attention -> +residual
+                                               RMSNorm -> SwiGLU MLP -> +residual]
+             -> RMSNorm -> lm_head -> logits (T, vocab)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.config import LlamaConfig
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis. x: (T, hidden)."""
+    variance = np.mean(np.square(x), axis=-1, keepdims=True)
+    return x / np.sqrt(variance + F32(eps)) * weight
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """The rotation speed of each of the head_dim/2 frequency pairs, with llama3 scaling if configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.astype(F32)
+    # llama3: slow (long-wavelength) frequencies are divided by `factor`, fast ones kept, a smooth ramp between
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / s["low_freq_factor"], old_len / s["high_freq_factor"]
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    ramp = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+    scaled = np.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), ramp, scaled)
+    return scaled.astype(F32)
+
+
+def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every (position, frequency) angle, (T, head_dim) each."""
+    angles = np.outer(np.asarray(positions, dtype=F32), inv_freq)  # (T, d/2)
+    angles = np.concatenate([angles, angles], axis=-1)  # HF pairs dim i with dim i + d/2 ("rotate half")
+    return np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate each (x[i], x[i + d/2]) pair by its position's angle. x: (T, heads, d); cos, sin: (T, d)."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Numerically safe softmax over the last axis (subtract the row max first)."""
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int) -> np.ndarray:
+    """Causal GQA attention. q: (T, H, d) at positions start_pos.., k, v: (S, KVH, d) at positions 0..S-1.
+
+    Query head h reads key/value head h // (H / KVH): groups of query heads share one K/V head.
+    """
+    T, H, d = q.shape
+    S, kv_heads, _ = k.shape
+    group = H // kv_heads
+    qg = q.reshape(T, kv_heads, group, d).transpose(1, 2, 0, 3)     # (KVH, G, T, d)
+    kt = k.transpose(1, 2, 0)[:, None]                               # (KVH, 1, d, S)
+    scores = (qg @ kt) * F32(1.0 / np.sqrt(d))                       # (KVH, G, T, S)
+    future = np.arange(S)[None, :] > (start_pos + np.arange(T))[:, None]  # key after query: masked
+    scores = np.where(future, F32(-np.inf), scores)
+    out = softmax(scores) @ v.transpose(1, 0, 2)[:, None]            # (KVH, G, T, d)
+    return out.transpose(2, 0, 1, 3).reshape(T, H * d)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (F32(1) + np.exp(-x))
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """The Llama MLP's gate: silu(x W_gate^T) * (x W_up^T)."""
+    return silu(gate) * up
+
+
+class KVCache:
+    """Contiguous K/V for one sequence: (layers, max_len, kv_heads, head_dim) each, filled up to `length`."""
+
+    def __init__(self, cfg: LlamaConfig, max_len: int):
+        shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.k, self.v = np.zeros(shape, F32), np.zeros(shape, F32)
+        self.length = 0
+
+
+class ReferenceModel:
+    """Llama in NumPy. `weights` maps HF tensor names to float32 arrays of the HF (out, in) layout."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray]):
+        self.cfg, self.w = cfg, weights
+        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied if absent
+        self.inv_freq = rope_inv_freq(cfg)
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        return KVCache(self.cfg, max_len or self.cfg.max_position_embeddings)
+
+    def forward(self, token_ids, cache: KVCache | None = None, all_logits: bool = True) -> np.ndarray:
+        """Run tokens at positions cache.length.. (0 without a cache); logits (T, vocab), or (vocab,) for the last."""
+        cfg = self.cfg
+        cache = cache or self.new_cache(len(token_ids))
+        start, T = cache.length, len(token_ids)
+        positions = slice(start, start + T)
+        cos, sin = rope_cos_sin(self.inv_freq, np.arange(start, start + T))
+        x = self.w["model.embed_tokens.weight"][np.asarray(token_ids)]  # (T, hidden)
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = rms_norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            q = (h @ self.w[p + "self_attn.q_proj.weight"].T).reshape(T, -1, cfg.head_dim)
+            k = (h @ self.w[p + "self_attn.k_proj.weight"].T).reshape(T, -1, cfg.head_dim)
+            v = (h @ self.w[p + "self_attn.v_proj.weight"].T).reshape(T, -1, cfg.head_dim)
+            cache.k[i, positions] = apply_rope(k, cos, sin)
+            cache.v[i, positions] = v
+            q = apply_rope(q, cos, sin)
+            attn = attention(q, cache.k[i, :start + T], cache.v[i, :start + T], start)
+            x = x + attn @ self.w[p + "self_attn.o_proj.weight"].T
+            h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            gate = h @ self.w[p + "mlp.gate_proj.weight"].T
+            up = h @ self.w[p + "mlp.up_proj.weight"].T
+            x = x + swiglu(gate, up) @ self.w[p + "mlp.down_proj.weight"].T
+        cache.length = start + T
+        if not all_logits:
+            x = x[-1:]  # prefill only needs the last position's logits: skip (T-1) x vocab of work
+        logits = rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps) @ self.lm_head.T
+        return logits if all_logits else logits[0]

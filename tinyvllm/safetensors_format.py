@@ -1,0 +1,131 @@
+"""Chapter 2: the safetensors file format, read and written from scratch.
+
+    [8 bytes: N, little-endian u64][N bytes: JSON header][data: tensors back to back]
+
+The header maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]}, offsets
+relative to the start of the data section, plus an optional "__metadata__" dict of strings.
+Reading is a memory map: a tensor is a zero-copy NumPy view of the file's bytes.
+(Named `safetensors_format` so it never shadows the `safetensors` library we verify against.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tinyvllm.errors import TinyVLLMError
+
+# safetensors dtype tag -> NumPy dtype of the stored bits (BF16 stays as raw uint16 bits)
+DTYPES = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4"),
+          "F64": np.dtype("<f8"), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+          "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the library's own limit: a larger "length" means a corrupt file
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str               # the safetensors tag, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int               # absolute byte offsets in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class SafetensorsFile:
+    """One .safetensors file: its parsed, validated header and zero-copy views of its tensors."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tensors, self.metadata = read_header(self.path)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if self.tensors else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> np.ndarray:
+        """A read-only view of the tensor's bytes with its dtype and shape (BF16 -> uint16 bits)."""
+        t = self.tensors[name]
+        return self._map[t.begin:t.end].view(DTYPES[t.dtype]).reshape(t.shape)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and check the header: every way a file can be corrupt becomes a one-line error."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 8:
+            raise TinyVLLMError(f"{path}: {size} bytes is too short for a safetensors file")
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise TinyVLLMError(f"{path}: header length {n} runs past the end of the file "
+                                f"({size} bytes); the file is truncated or not safetensors")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TinyVLLMError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise TinyVLLMError(f"{path}: header must be a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    tensors = {name: _tensor_info(path, name, entry, data_start, size) for name, entry in header.items()}
+    _check_no_overlap(path, tensors)
+    return tensors, metadata
+
+
+def _tensor_info(path: Path, name: str, entry, data_start: int, size: int) -> TensorInfo:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise TinyVLLMError(f"{where}: entry needs dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPES:
+        raise TinyVLLMError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+        raise TinyVLLMError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise TinyVLLMError(f"{where}: data_offsets {offsets!r} must be [begin, end] with begin <= end")
+    begin, end = data_start + offsets[0], data_start + offsets[1]
+    if end > size:
+        raise TinyVLLMError(f"{where}: data_offsets {offsets} run past the end of the file "
+                            f"({size - data_start} data bytes); the file is truncated")
+    expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+    if end - begin != expected:
+        raise TinyVLLMError(f"{where}: holds {end - begin} bytes but shape {shape} x {dtype} "
+                            f"needs {expected}")
+    return TensorInfo(name, dtype, tuple(shape), begin, end)
+
+
+def _check_no_overlap(path: Path, tensors: dict[str, TensorInfo]) -> None:
+    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise TinyVLLMError(f"{path}: tensors {a!r} and {b!r} overlap in the data section")
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, tuple[str, np.ndarray]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write {name: (dtype tag, array)} atomically (temp file + rename); "BF16" takes uint16 bits."""
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, (dtype, array) in tensors.items():
+        nbytes = array.size * DTYPES[dtype].itemsize
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # pad so the data section starts 8-byte aligned, like the library
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for dtype, array in tensors.values():
+            f.write(memoryview(np.ascontiguousarray(array, dtype=DTYPES[dtype])).cast("B"))
+    os.replace(tmp, path)
