@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tinyvllm.bf16 import float32_to_bf16_bits
-from tinyvllm.config import LlamaConfig, expected_tensor_shapes
+from tinyvllm.config import LlamaConfig, config_from_dict, expected_tensor_shapes
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.safetensors_format import write_safetensors
 
@@ -180,6 +180,7 @@ def synth_model(like: str, out_dir: str | Path, seed: int = 0, **overrides) -> P
     if like not in PRESETS:
         raise TinyVLLMError(f"unknown --like {like!r}; choose one of: {', '.join(PRESETS)}")
     cfg = replace(PRESETS[like], **{k: v for k, v in overrides.items() if v is not None})
+    cfg = config_from_dict(cfg.to_hf_dict(), f"--like {like} with overrides")  # re-check shrunk shapes
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise TinyVLLMError(f"--out {out_dir} exists and is not empty; choose a new directory")

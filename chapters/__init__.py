@@ -1,0 +1,1 @@
+"""The course: one package per chapter, each using the engine in tinyvllm/ up to its layer."""

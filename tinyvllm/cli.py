@@ -1,0 +1,122 @@
+"""`python -m tinyvllm ...`: generate, info, model-path, synth.
+
+A mistake by the user (a bad path, a corrupt file, a bad flag value) prints one line and exits with
+code 2; `--debug` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tinyvllm.errors import TinyVLLMError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line, exit code 2, like ours
+        raise TinyVLLMError(f"{message} (see python -m tinyvllm {self.prog.split()[-1]} --help)")
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tinyvllm", description="A small vLLM for Llama models, for learning.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="answer a prompt, streaming the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF model directory")
+    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--max-tokens", type=_positive_int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+    info = sub.add_parser("info", help="the model's config and memory map (weights and buffers)")
+    info.add_argument("--model", default="default")
+    info.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                      help="whose plan to show: cpu holds float32, cuda holds bf16")
+    info.add_argument("--max-tokens", type=_positive_int, default=512, help="largest step the buffers hold")
+    info.add_argument("--json", action="store_true")
+
+    path = sub.add_parser("model-path", help="print a model's directory (converting the default model once)")
+    path.add_argument("model", nargs="?", default="default")
+
+    synth = sub.add_parser("synth", help="write a random-weight checkpoint shaped like a real model")
+    synth.add_argument("--like", default="llama-3.2-1b")
+    synth.add_argument("--out", required=True)
+    synth.add_argument("--seed", type=int, default=0)
+    for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate"):
+        synth.add_argument(f"--{flag}", type=_positive_int, help=f"shrink: override the preset's {flag}")
+    return parser
+
+
+def cmd_generate(args) -> None:
+    from tinyvllm.llm import LLM, CompletionOutput, RequestOutput
+    from tinyvllm.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    llm = LLM(args.model, device=args.device)
+    tok = llm.tokenizer
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt_ids = tok.encode(args.prompt) if args.raw else tok.apply_chat_template(messages)
+    out = RequestOutput(args.prompt, prompt_ids, [CompletionOutput()])
+    for text in llm.stream(prompt_ids, params, out):
+        if not args.json:
+            print(text, end="", flush=True)
+    t = out.timings
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": prompt_ids,
+                          "finish_reason": out.outputs[0].finish_reason, "timings": t}, ensure_ascii=False))
+    else:
+        print(f"\n\n[{len(prompt_ids)} prompt tokens in {t['prefill_s']:.2f} s, {len(out.token_ids)} generated "
+              f"at {t['decode_tokens_per_s']:.1f} tokens/s, finish: {out.outputs[0].finish_reason}]",
+              file=sys.stderr)
+
+
+def cmd_info(args) -> None:
+    from tinyvllm.info import describe
+    report, text = describe(args.model, args.device, args.max_tokens)
+    print(json.dumps(report, indent=2) if args.json else text)
+
+
+def cmd_model_path(args) -> None:
+    from tinyvllm.models import resolve_model
+    print(resolve_model(args.model))
+
+
+def cmd_synth(args) -> None:
+    from tinyvllm.models import synth_model
+    overrides = dict(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                     num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                     intermediate_size=args.intermediate)
+    print(synth_model(args.like, args.out, seed=args.seed, **overrides))
+
+
+COMMANDS = {"generate": cmd_generate, "info": cmd_info, "model-path": cmd_model_path, "synth": cmd_synth}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        COMMANDS[args.command](args)
+    except TinyVLLMError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,37 @@
+"""Chapter 2: `python -m tinyvllm info` — the config and the memory map of weights and buffers."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from tinyvllm.buffers import Region, blob_size, plan_buffers
+from tinyvllm.config import load_config
+from tinyvllm.models import resolve_model
+from tinyvllm.weights import open_checkpoint, plan_weights
+
+
+def describe(model: str, device: str, max_tokens: int) -> tuple[dict, str]:
+    """The memory map a run on `device` would use: (JSON-able report, human-readable text)."""
+    model_dir = resolve_model(model)
+    cfg = load_config(model_dir)
+    open_checkpoint(model_dir, cfg)  # validate the files, so info also answers "is my checkpoint ok?"
+    dtype = "bf16" if device == "cuda" else "f32"
+    weights, buffers = plan_weights(cfg, dtype), plan_buffers(cfg, max_tokens, max_seqs=1, dtype=dtype)
+    report = {"model_dir": str(model_dir), "device": device, "config": asdict(cfg),
+              "weights": [asdict(r) for r in weights], "buffers": [asdict(r) for r in buffers],
+              "weights_bytes": blob_size(weights), "buffers_bytes": blob_size(buffers)}
+    lines = [f"model  {model_dir}", *(f"  {k:<24} {v}" for k, v in asdict(cfg).items()),
+             f"\nweights: one {dtype} blob of {_mib(blob_size(weights))}",
+             *_table(weights), f"\nbuffers for a step of {max_tokens} tokens: one blob of "
+             f"{_mib(blob_size(buffers))}", *_table(buffers),
+             f"\ntotal {_mib(blob_size(weights) + blob_size(buffers))}"]
+    return report, "\n".join(lines)
+
+
+def _table(regions: list[Region]) -> list[str]:
+    rows = [f"  {'offset':>12}  {'bytes':>12}  {'dtype':<5} {'shape':<16} name"]
+    rows += [f"  {r.offset:>12,}  {r.nbytes:>12,}  {r.dtype:<5} {str(list(r.shape)):<16} {r.name}" for r in regions]
+    return rows
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"

@@ -1,0 +1,61 @@
+"""Chapter 5: turning logits into the next token, with vLLM's SamplingParams.
+
+temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature, cut by top-k,
+top-p and min-p, renormalized and drawn from with the request's own seeded generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm.errors import TinyVLLMError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0        # vLLM's default; 0 means greedy
+    top_p: float = 1.0              # keep the smallest set of tokens whose probability sums to >= top_p
+    top_k: int = 0                  # keep the k most likely tokens; 0 (or -1) keeps all
+    min_p: float = 0.0              # drop tokens less likely than min_p x the most likely one
+    seed: int | None = None         # same seed, same prompt, same device -> same tokens
+    max_tokens: int | None = 16     # vLLM's default; None runs to the context window
+    stop: list[str] | str | None = None          # strings that end the output (not included in it)
+    stop_token_ids: list[int] | None = None      # extra token ids that end the output
+    ignore_eos: bool = False        # keep going past the model's stop tokens (benchmarks)
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 (all) or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise TinyVLLMError(message)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token id from a (vocab,) logits vector."""
+    if params.temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / params.temperature  # float64: exp of large logits stays accurate
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")  # most likely first
+    sorted_probs = probs[order]
+    keep = np.ones_like(sorted_probs, dtype=bool)
+    if params.top_k > 0:
+        keep[params.top_k:] = False
+    if params.top_p < 1:  # keep a token if the mass before it is still below top_p
+        keep &= (np.cumsum(sorted_probs) - sorted_probs) < params.top_p
+    if params.min_p > 0:
+        keep &= sorted_probs >= params.min_p * sorted_probs[0]
+    kept = np.where(keep, sorted_probs, 0.0)
+    return int(order[rng.choice(len(kept), p=kept / kept.sum())])
