@@ -13,7 +13,6 @@ import pytest
 from chapters.grading import exercises
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = [n for n in range(1, 8) if (lambda n: _has_exercises(n))(n)]
 
 
 def _has_exercises(n: int) -> bool:
@@ -22,6 +21,9 @@ def _has_exercises(n: int) -> bool:
         return True
     except LookupError:
         return False
+
+
+CHAPTERS = [n for n in range(1, 8) if _has_exercises(n)]
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
