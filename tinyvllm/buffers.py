@@ -37,7 +37,19 @@ def lay_out(arrays: list[tuple[str, tuple[int, ...], str]]) -> list[Region]:
 
 
 def blob_size(regions: list[Region]) -> int:
+    """Bytes the blob needs: up to the end of the last region (padding included)."""
     return regions[-1].offset + regions[-1].nbytes if regions else 0
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialized uint8 blob whose first byte sits on an ALIGN-byte address.
+
+    cudaMalloc hands out 256-byte-aligned memory; NumPy promises only 16 bytes, so we allocate
+    ALIGN bytes more and start at the first aligned address: aligned offsets are then aligned addresses.
+    """
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes]
 
 
 def carve(blob, regions: list[Region]) -> dict:

@@ -65,10 +65,10 @@ def config_from_dict(d: dict, where: str = "config.json") -> LlamaConfig:
     if heads % kv_heads:
         raise TinyVLLMError(f"{where}: num_attention_heads={heads} is not a multiple of "
                             f"num_key_value_heads={kv_heads}")
-    scaling = d.get("rope_scaling")
+    scaling = d.get("rope_scaling") or d.get("rope_parameters")  # transformers >= 5 writes rope_parameters
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "default":
+        if kind in (None, "default"):  # plain RoPE: rope_parameters may hold only rope_theta
             scaling = None
         elif kind != "llama3":
             raise TinyVLLMError(f"{where}: rope_scaling type {kind!r} is not supported (only 'llama3')")

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from tinyvllm.buffers import Region, blob_size, plan_buffers
 from tinyvllm.config import load_config
 from tinyvllm.models import resolve_model
-from tinyvllm.weights import open_checkpoint, plan_weights
+from tinyvllm.weights import open_checkpoint, plan_weights, weight_kind
 
 
 def describe(model: str, device: str, max_tokens: int) -> tuple[dict, str]:
@@ -16,15 +16,26 @@ def describe(model: str, device: str, max_tokens: int) -> tuple[dict, str]:
     open_checkpoint(model_dir, cfg)  # validate the files, so info also answers "is my checkpoint ok?"
     dtype = "bf16" if device == "cuda" else "f32"
     weights, buffers = plan_weights(cfg, dtype), plan_buffers(cfg, max_tokens, max_seqs=1, dtype=dtype)
+    by_kind = bytes_by_kind(weights)
     report = {"model_dir": str(model_dir), "device": device, "config": asdict(cfg),
               "weights": [asdict(r) for r in weights], "buffers": [asdict(r) for r in buffers],
-              "weights_bytes": blob_size(weights), "buffers_bytes": blob_size(buffers)}
+              "weights_by_kind": by_kind, "weights_bytes": blob_size(weights),
+              "buffers_bytes": blob_size(buffers), "total_bytes": blob_size(weights) + blob_size(buffers)}
     lines = [f"model  {model_dir}", *(f"  {k:<24} {v}" for k, v in asdict(cfg).items()),
-             f"\nweights: one {dtype} blob of {_mib(blob_size(weights))}",
+             f"\nweights: one {dtype} blob of {_mib(blob_size(weights))} "
+             f"({', '.join(f'{k} {_mib(v)}' for k, v in by_kind.items())})",
              *_table(weights), f"\nbuffers for a step of {max_tokens} tokens: one blob of "
              f"{_mib(blob_size(buffers))}", *_table(buffers),
-             f"\ntotal {_mib(blob_size(weights) + blob_size(buffers))}"]
+             f"\ntotal {_mib(report['total_bytes'])}"]
     return report, "\n".join(lines)
+
+
+def bytes_by_kind(regions: list[Region]) -> dict[str, int]:
+    """Weight bytes per kind (embedding, attention, mlp, norm), in the order they first appear."""
+    totals: dict[str, int] = {}
+    for r in regions:
+        totals[weight_kind(r.name)] = totals.get(weight_kind(r.name), 0) + r.nbytes
+    return totals
 
 
 def _table(regions: list[Region]) -> list[str]:

@@ -45,6 +45,7 @@ class SafetensorsFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.tensors, self.metadata = read_header(self.path)
+        # mode="r": the OS pages bytes in on first touch, and nobody can write through a view
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if self.tensors else None
 
     def __contains__(self, name: str) -> bool:
@@ -57,45 +58,63 @@ class SafetensorsFile:
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and check the header: every way a file can be corrupt becomes a one-line error."""
+    """Read just the start of the file (the length and the header it announces) and parse it."""
+    path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
-        if size < 8:
-            raise TinyVLLMError(f"{path}: {size} bytes is too short for a safetensors file")
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > min(size - 8, MAX_HEADER_BYTES):
-            raise TinyVLLMError(f"{path}: header length {n} runs past the end of the file "
-                                f"({size} bytes); the file is truncated or not safetensors")
-        raw = f.read(n)
+        raw = f.read(8)
+        if len(raw) == 8:  # read what the length announces; parse_header checks it is really there
+            raw += f.read(min(struct.unpack("<Q", raw)[0], MAX_HEADER_BYTES))
+    # through the module, so a learner's parse_header plugged into this module is the one that runs
+    return parse_header(raw, size, path)
+
+
+def parse_header(raw: bytes, file_size: int, path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The tensors and metadata described by the start of a safetensors file.
+
+    raw: the file's first bytes, at least the 8-byte length and the header it announces.
+    file_size: the whole file's size in bytes, to check that every tensor's bytes are really there.
+    path: used only in error messages.
+    Returns ({name: TensorInfo with absolute offsets in the file}, {metadata key: value});
+    raises TinyVLLMError, naming the file (and the tensor), for every way the file can be corrupt.
+    """
+    if len(raw) < 8 or file_size < 8:
+        raise TinyVLLMError(f"{path}: {file_size} bytes is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > min(file_size - 8, MAX_HEADER_BYTES) or len(raw) < 8 + n:
+        raise TinyVLLMError(f"{path}: header length {n} runs past the end of the file "
+                            f"({file_size} bytes); the file is truncated or not safetensors")
     try:
-        header = json.loads(raw)
+        header = json.loads(raw[8:8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TinyVLLMError(f"{path}: header is not valid JSON ({e})") from None
+        raise TinyVLLMError(f"{path}: header is not valid JSON ({e}); the file is corrupt") from None
     if not isinstance(header, dict):
-        raise TinyVLLMError(f"{path}: header must be a JSON object")
+        raise TinyVLLMError(f"{path}: header must be a JSON object, got {type(header).__name__}")
     metadata = header.pop("__metadata__", None) or {}
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise TinyVLLMError(f"{path}: __metadata__ must map strings to strings")
     data_start = 8 + n
-    tensors = {name: _tensor_info(path, name, entry, data_start, size) for name, entry in header.items()}
+    tensors = {name: _tensor_info(path, name, entry, data_start, file_size) for name, entry in header.items()}
     _check_no_overlap(path, tensors)
     return tensors, metadata
 
 
-def _tensor_info(path: Path, name: str, entry, data_start: int, size: int) -> TensorInfo:
+def _tensor_info(path, name: str, entry, data_start: int, file_size: int) -> TensorInfo:
     where = f"{path}: tensor {name!r}"
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise TinyVLLMError(f"{where}: entry needs dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in DTYPES:
         raise TinyVLLMError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-    if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+    if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
         raise TinyVLLMError(f"{where}: shape {shape!r} is not a list of non-negative integers")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
-        raise TinyVLLMError(f"{where}: data_offsets {offsets!r} must be [begin, end] with begin <= end")
+        raise TinyVLLMError(f"{where}: data_offsets {offsets!r} must be [begin, end] with 0 <= begin <= end")
     begin, end = data_start + offsets[0], data_start + offsets[1]
-    if end > size:
+    if end > file_size:
         raise TinyVLLMError(f"{where}: data_offsets {offsets} run past the end of the file "
-                            f"({size - data_start} data bytes); the file is truncated")
+                            f"({file_size - data_start} data bytes); the file is truncated")
     expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
     if end - begin != expected:
         raise TinyVLLMError(f"{where}: holds {end - begin} bytes but shape {shape} x {dtype} "
@@ -103,7 +122,7 @@ def _tensor_info(path: Path, name: str, entry, data_start: int, size: int) -> Te
     return TensorInfo(name, dtype, tuple(shape), begin, end)
 
 
-def _check_no_overlap(path: Path, tensors: dict[str, TensorInfo]) -> None:
+def _check_no_overlap(path, tensors: dict[str, TensorInfo]) -> None:
     spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
     for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
         if begin_b < end_a:
@@ -117,6 +136,8 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[str, np.ndarray
     if metadata:
         header["__metadata__"] = metadata
     for name, (dtype, array) in tensors.items():
+        if dtype == "BF16" and array.dtype != np.uint16:
+            raise TypeError(f"{name}: BF16 takes uint16 bits (bf16.float32_to_bf16_bits), got {array.dtype}")
         nbytes = array.size * DTYPES[dtype].itemsize
         header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -127,5 +148,5 @@ def write_safetensors(path: str | Path, tensors: dict[str, tuple[str, np.ndarray
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for dtype, array in tensors.values():
-            f.write(memoryview(np.ascontiguousarray(array, dtype=DTYPES[dtype])).cast("B"))
+            f.write(np.ascontiguousarray(array, dtype=DTYPES[dtype]).reshape(-1).view(np.uint8))
     os.replace(tmp, path)

@@ -6,6 +6,7 @@ bytes are merged pairwise in rank order. A token's rank is its id, so tiktoken c
 
 import base64
 import codecs
+import copy
 import json
 import os
 import re
@@ -57,6 +58,7 @@ LLAMA3_CHAT_TEMPLATE = """{{- bos_token }}
 
 # Special tokens that end a turn besides eos, in the Llama 3 and ChatML formats.
 _END_OF_TURN = ["<|eot_id|>", "<|eom_id|>", "<|im_end|>"]
+# Meta's named Llama 3 special tokens, ids 128000-128010; reserved_special_token_2... fill the rest.
 _LLAMA3_NAMED = [
     "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
     "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
@@ -92,24 +94,25 @@ class Tokenizer:
         self.vocab_size = max([*ranks.values(), *special_tokens.values()]) + 1
         self._pattern = pattern
         # tiktoken needs every single byte to have a rank: give the vocab's missing ones unused ids.
-        missing = [bytes([b]) for b in range(256) if bytes([b]) not in ranks]
-        self._missing_bytes = {b[0] for b in missing}
-        self._sentinel_ids = {self.vocab_size + i for i in range(len(missing))}
-        sentinels = {b: self.vocab_size + i for i, b in enumerate(missing)}
+        self._missing_bytes = {b for b in range(256) if bytes([b]) not in ranks}
+        sentinels = {bytes([b]): self.vocab_size + i for i, b in enumerate(sorted(self._missing_bytes))}
+        self._sentinel_ids = set(sentinels.values())
         self._enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks={**ranks, **sentinels},
                                       special_tokens=special_tokens)
         # Longest first, so a special token is never matched by a shorter one that prefixes it.
         names = sorted(special_tokens, key=len, reverse=True)
-        self._special_split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+        self._special_split = re.compile("(" + "|".join(map(re.escape, names)) + ")" if names else "(?!)")
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids: no bos, and special-token text is just text."""
         ids = self._enc.encode_ordinary(text)
-        if self._sentinel_ids.isdisjoint(ids):
-            return ids
-        # Like HF, drop vocab-less bytes *before* merging, so their neighbours may still merge.
-        pieces = (bytes(b for b in p.encode() if b not in self._missing_bytes)
-                  for p in regex.findall(self._pattern, text))
+        return ids if self._sentinel_ids.isdisjoint(ids) else self._encode_dropping_missing_bytes(text)
+
+    def _encode_dropping_missing_bytes(self, text: str) -> list[int]:
+        """Like HF, drop bytes the vocab lacks *before* merging, so their neighbours can still merge."""
+        # tiktoken cannot hand out its pieces, so split again with Python's regex (same pattern).
+        pieces = (bytes(b for b in piece.encode() if b not in self._missing_bytes)
+                  for piece in regex.findall(self._pattern, text))
         return [i for p in pieces if p for i in self._enc._encode_single_piece(p)]
 
     def decode_bytes(self, ids: list[int]) -> bytes:
@@ -136,7 +139,7 @@ class Tokenizer:
         ids: list[int] = []
         text = ""  # plain text is encoded in runs, as HF encodes the text between special tokens
         for k in range(0, len(parts), 4):
-            for piece in self._special_split.split(parts[k]) if self._special_split else [parts[k]]:
+            for piece in self._special_split.split(parts[k]):
                 if piece in self.special_tokens:
                     ids += self.encode(text) + [self.special_tokens[piece]]
                     text = ""
@@ -190,7 +193,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         files = tokenizer_files_from_gguf(file)
         hf_json, config = files["tokenizer.json"], files["tokenizer_config.json"]
     else:
-        hf_json = _read_json(file.parent / "tokenizer.json") if (file.parent / "tokenizer.json").is_file() else None
+        json_file = file if file.suffix == ".json" else file.parent / "tokenizer.json"
+        hf_json = _read_json(json_file) if json_file.is_file() else None
         config_file = file.parent / "tokenizer_config.json"
         config = _read_json(config_file) if config_file.is_file() else {}
     if file.name == "tokenizer.model":
@@ -230,10 +234,13 @@ def _read_tiktoken_ranks(file: Path) -> dict[bytes, int]:
     """Parse tiktoken's format: one 'base64-token rank' pair per line."""
     try:
         lines = file.read_bytes().splitlines()
-        return {base64.b64decode(tok, validate=True): int(rank) for tok, rank in (ln.split() for ln in lines if ln)}
+        ranks = {base64.b64decode(tok, validate=True): int(rank) for tok, rank in (ln.split() for ln in lines if ln)}
     except ValueError:
+        ranks = {}
+    if not ranks:
         raise TinyVLLMError(f"{file} is not a tiktoken BPE file (Llama 3 format); "
-                            "SentencePiece tokenizer.model files (Llama 2) are not supported") from None
+                            "SentencePiece tokenizer.model files (Llama 2) are not supported")
+    return ranks
 
 
 def _llama3_special_tokens(first_id: int) -> dict[str, int]:
@@ -263,19 +270,18 @@ def _from_hf_json(hf_json: dict, file: Path) -> tuple[dict[bytes, int], dict[str
 
 def _split_pattern(pre: dict | None, file: Path) -> str:
     """The one regex equivalent to the pre_tokenizer shapes used by Llama 3, GPT-2 and SmolLM2."""
-    steps = (pre.get("pretokenizers", [pre]) if pre else [])
-    types = [s["type"] for s in steps]
-    if types and types[-1] == "ByteLevel" and not steps[-1].get("add_prefix_space"):
-        uses_regex = steps[-1].get("use_regex", True)
-        split = steps[0]
-        if types == ["Split", "ByteLevel"] and not uses_regex and split.get("behavior") == "Isolated" \
-                and not split.get("invert") and "Regex" in split["pattern"]:
-            return split["pattern"]["Regex"]
-        if types == ["ByteLevel"] and uses_regex:
+    steps = pre.get("pretokenizers", [pre]) if pre else []
+    shape = [s["type"] for s in steps]
+    if shape[-1:] == ["ByteLevel"] and not steps[-1].get("add_prefix_space"):
+        first, gpt2_regex = steps[0], steps[-1].get("use_regex", True)
+        isolated_regex = first.get("behavior") == "Isolated" and "Regex" in first.get("pattern", {})
+        if shape == ["Split", "ByteLevel"] and not gpt2_regex and isolated_regex:
+            return first["pattern"]["Regex"]
+        if shape == ["ByteLevel"] and gpt2_regex:
             return GPT2_PATTERN
-        if types == ["Digits", "ByteLevel"] and uses_regex and split.get("individual_digits"):
+        if shape == ["Digits", "ByteLevel"] and gpt2_regex and first.get("individual_digits"):
             return GPT2_DIGITS_PATTERN
-    raise TinyVLLMError(f"{file} has a pre_tokenizer tinyvllm does not support ({types}); "
+    raise TinyVLLMError(f"{file} has a pre_tokenizer tinyvllm does not support ({shape}); "
                         "supported: Llama 3 Split regex, GPT-2 ByteLevel, Digits + ByteLevel")
 
 
@@ -304,16 +310,19 @@ _GGUF_PRE_TOKENIZERS = {
 }
 
 
+@lru_cache(maxsize=2)
+def _gguf_metadata(path: Path, mtime_ns: int) -> dict:
+    """A GGUF's metadata; cached by path and mtime, as its string arrays take seconds to parse."""
+    return {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()}
+
+
 def tokenizer_files_from_gguf(gguf_path: str | os.PathLike) -> dict[str, dict]:
     """Rebuild the HF tokenizer.json and tokenizer_config.json a byte-level BPE GGUF was made from."""
     try:
-        reader = gguf.GGUFReader(gguf_path)
+        path = Path(gguf_path).resolve()
+        field = _gguf_metadata(path, path.stat().st_mtime_ns).get
     except (OSError, ValueError) as e:
         raise TinyVLLMError(f"cannot read GGUF file {gguf_path} ({e}); check the path and re-download it") from None
-
-    def field(name: str, default=None):
-        return reader.fields[name].contents() if name in reader.fields else default
-
     pre = field("tokenizer.ggml.pre", "gpt-2")
     if field("tokenizer.ggml.model") != "gpt2" or pre not in _GGUF_PRE_TOKENIZERS:
         raise TinyVLLMError(f"{gguf_path} has a tokenizer tinyvllm does not support (model "
@@ -324,11 +333,12 @@ def tokenizer_files_from_gguf(gguf_path: str | os.PathLike) -> dict[str, dict]:
              for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)]
     hf_json = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": _GGUF_PRE_TOKENIZERS[pre],
+        "pre_tokenizer": copy.deepcopy(_GGUF_PRE_TOKENIZERS[pre]),
         "post_processor": {**_BYTE_LEVEL, "trim_offsets": False},
-        "decoder": _BYTE_LEVEL,
+        "decoder": dict(_BYTE_LEVEL),
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": pre == "llama-bpe",  # as Meta's tiktoken: a piece in the vocab is one token
                   "vocab": {tok: i for i, tok in enumerate(tokens)},
                   "merges": [m.split(" ") for m in field("tokenizer.ggml.merges", [])]},
     }

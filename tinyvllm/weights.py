@@ -12,13 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.bf16 import bf16_bits_to_float32
-from tinyvllm.buffers import Region, blob_size, carve, lay_out
+# whole modules, not their functions: a learner's exercise plugged into a module is what runs here
+from tinyvllm import bf16, buffers, safetensors_format
+from tinyvllm.buffers import Region, aligned_empty, blob_size, carve
 from tinyvllm.config import LlamaConfig, expected_tensor_shapes
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.safetensors_format import SafetensorsFile
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
+CHUNK = 1 << 20  # elements widened at a time: small temporaries are reused, a 200 MB one costs page faults
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed from the config, never loaded
 
 
@@ -44,12 +45,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def open_checkpoint(model_dir: str | Path, cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """Zero-copy views of every tensor the config expects, after checking names, shapes and dtypes."""
     model_dir, expected = Path(model_dir), expected_tensor_shapes(cfg)
-    found: dict[str, tuple[SafetensorsFile, str]] = {}
+    found: dict[str, safetensors_format.SafetensorsFile] = {}
     for path in checkpoint_files(model_dir):
-        f = SafetensorsFile(path)
+        f = safetensors_format.SafetensorsFile(path)
         for name, info in f.tensors.items():
             if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
+            if name in found:
+                raise TinyVLLMError(f"{path}: tensor {name!r} is also in {found[name].path.name}; "
+                                    "each tensor must live in exactly one shard")
             if name not in expected:
                 raise TinyVLLMError(f"{path}: unexpected tensor {name!r}; the checkpoint does not match "
                                     f"its config.json ({cfg.num_hidden_layers} layers)")
@@ -58,17 +62,26 @@ def open_checkpoint(model_dir: str | Path, cfg: LlamaConfig) -> dict[str, np.nda
                                     f"implies {list(expected[name])}")
             if info.dtype not in FLOAT_DTYPES:
                 raise TinyVLLMError(f"{path}: tensor {name!r} has dtype {info.dtype}; expected BF16, F16 or F32")
-            found[name] = (f, name)
+            found[name] = f
     missing = [n for n in expected if n not in found]
     if missing:
         raise TinyVLLMError(f"{model_dir}: {len(missing)} tensors missing from the checkpoint, e.g. "
                             f"{missing[0]!r}; the download is incomplete or the config does not match")
-    return {name: f.get(key) for name, (f, key) in found.items()}
+    return {name: f.get(name) for name, f in found.items()}
+
+
+def weight_kind(name: str) -> str:
+    """"embedding" (in and out), "attention", "mlp" or "norm": how `info` and the figures group weights."""
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return "embedding"
+    if ".self_attn." in name:
+        return "attention"
+    return "mlp" if ".mlp." in name else "norm"
 
 
 def to_float32(a: np.ndarray) -> np.ndarray:
     """Any stored float dtype -> float32 (BF16 arrives as uint16 bits)."""
-    return bf16_bits_to_float32(a) if a.dtype == np.uint16 else a.astype(np.float32)
+    return bf16.bf16_bits_to_float32(a) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
 @dataclass
@@ -83,15 +96,23 @@ class Weights:
 
 
 def plan_weights(cfg: LlamaConfig, dtype: str) -> list[Region]:
-    return lay_out([(name, shape, dtype) for name, shape in expected_tensor_shapes(cfg).items()])
+    """Where every weight goes in the one blob: embedding, layer by layer, final norm; starts aligned."""
+    return buffers.lay_out([(name, shape, dtype) for name, shape in expected_tensor_shapes(cfg).items()])
 
 
 def load_weights(model_dir: str | Path, cfg: LlamaConfig) -> Weights:
     """CPU: every weight as float32 in one NumPy blob (bf16 widened on the way in)."""
     tensors = open_checkpoint(model_dir, cfg)
     regions = plan_weights(cfg, "f32")
-    blob = np.empty(blob_size(regions), dtype=np.uint8)
+    blob = aligned_empty(blob_size(regions))  # ONE allocation for every weight
     views = carve(blob, regions)
     for name, view in views.items():
-        view[...] = to_float32(tensors[name])
+        copy_widened(view, tensors[name])
     return Weights(regions, blob, views)
+
+
+def copy_widened(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = to_float32(src), a chunk at a time."""
+    dst, src = dst.reshape(-1), src.reshape(-1)
+    for i in range(0, src.size, CHUNK):
+        dst[i:i + CHUNK] = to_float32(src[i:i + CHUNK])

@@ -1,0 +1,245 @@
+"""Chapter 1 checkpoint: the default model's forward pass, stage by stage, checked against transformers.
+
+    make chapter-1                  # python -m chapters 1
+    make chapter-1 IMPL=student     # the same, with your exercises.py functions inside the engine
+
+Every engine function is called through its module (`reference.rms_norm`, not a local import), so the
+student's functions, plugged into `tinyvllm.reference` by `python -m chapters 1 --impl student`, run here.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tinyvllm import config, reference, tokenizer, weights
+from tinyvllm.models import resolve_model
+
+PROMPT = "What is the capital of France?"
+MESSAGES = [{"role": "user", "content": PROMPT}]
+MAX_NEW_TOKENS = 24
+TOLERANCE = 1e-4  # relative error vs transformers, both float32: the design's bar for the oracle
+
+
+@dataclass
+class Loaded:
+    model_dir: object
+    cfg: config.LlamaConfig
+    tok: tokenizer.Tokenizer
+    model: reference.ReferenceModel
+    nbytes: int
+
+
+def load(model: str = "default") -> Loaded:
+    """Config, float32 weights in one blob, tokenizer, and the NumPy reference model on top of them."""
+    model_dir = resolve_model(model)
+    cfg = config.load_config(model_dir)
+    w = weights.load_weights(model_dir, cfg)
+    return Loaded(model_dir, cfg, tokenizer.load_tokenizer(model_dir), reference.ReferenceModel(cfg, w.views),
+                  w.nbytes)
+
+
+# ---- one forward pass, cut into the stages of the chapter's map ----
+
+def embed(model: reference.ReferenceModel, ids: list[int]) -> np.ndarray:
+    """Token ids (T,) -> rows of the embedding table (T, hidden): a lookup, no arithmetic."""
+    return model.w["model.embed_tokens.weight"][np.asarray(ids)]
+
+
+def qkv(model: reference.ReferenceModel, i: int, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
+    """Layer i: RMSNorm, then Q (T, H, d), K and V (T, KVH, d), with RoPE applied to Q and K."""
+    cfg, w, p = model.cfg, model.w, f"model.layers.{i}."
+    h = reference.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+    q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(len(x), cfg.num_attention_heads, cfg.head_dim)
+    k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(len(x), cfg.num_key_value_heads, cfg.head_dim)
+    v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(len(x), cfg.num_key_value_heads, cfg.head_dim)
+    return reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin), v
+
+
+def attention_block(model: reference.ReferenceModel, i: int, x: np.ndarray, cos, sin) -> np.ndarray:
+    """Layer i's attention output after o_proj (T, hidden); the caller adds it to the residual."""
+    q, k, v = qkv(model, i, x, cos, sin)
+    return reference.attention(q, k, v, 0) @ model.w[f"model.layers.{i}.self_attn.o_proj.weight"].T
+
+
+def mlp_block(model: reference.ReferenceModel, i: int, x: np.ndarray) -> np.ndarray:
+    """Layer i's RMSNorm + SwiGLU MLP (T, hidden): up to intermediate_size and back down."""
+    cfg, w, p = model.cfg, model.w, f"model.layers.{i}."
+    h = reference.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+    return reference.swiglu(gate, up) @ w[p + "mlp.down_proj.weight"].T
+
+
+def layer(model: reference.ReferenceModel, i: int, x: np.ndarray, cos, sin) -> np.ndarray:
+    x = x + attention_block(model, i, x, cos, sin)
+    return x + mlp_block(model, i, x)
+
+
+def lm_head(model: reference.ReferenceModel, x: np.ndarray) -> np.ndarray:
+    """Final RMSNorm, then one score per vocabulary entry (T, vocab)."""
+    return reference.rms_norm(x, model.w["model.norm.weight"], model.cfg.rms_norm_eps) @ model.lm_head.T
+
+
+def attention_probs(model: reference.ReferenceModel, ids: list[int], layer_index: int, head: int) -> np.ndarray:
+    """The (T, T) attention probabilities of one query head in one layer, for the notebook's heat map."""
+    cos, sin = reference.rope_cos_sin(model.inv_freq, np.arange(len(ids)))
+    x = embed(model, ids)
+    for i in range(layer_index):
+        x = layer(model, i, x, cos, sin)
+    q, k, _ = qkv(model, layer_index, x, cos, sin)
+    kv_head = head // (model.cfg.num_attention_heads // model.cfg.num_key_value_heads)
+    scores = q[:, head] @ k[:, kv_head].T / np.float32(np.sqrt(model.cfg.head_dim))
+    future = np.triu(np.ones((len(ids), len(ids)), dtype=bool), k=1)
+    return reference.softmax(np.where(future, np.float32(-np.inf), scores))
+
+
+def generate(model: reference.ReferenceModel, ids: list[int], max_new_tokens: int, stop_ids) -> dict:
+    """Greedy decoding with the KV cache: one prefill of the prompt, then one token per forward."""
+    cache = model.new_cache(len(ids) + max_new_tokens)
+    start = time.perf_counter()
+    logits = model.forward(ids, cache, all_logits=False)
+    prefill_s, prefill_logits, tokens = time.perf_counter() - start, logits, []
+    start = time.perf_counter()
+    while len(tokens) < max_new_tokens:
+        tokens.append(int(np.argmax(logits)))
+        if tokens[-1] in stop_ids or len(tokens) == max_new_tokens:
+            break
+        logits = model.forward([tokens[-1]], cache, all_logits=False)  # T=1: reads K/V of all earlier tokens
+    return dict(tokens=tokens, prefill_logits=prefill_logits, prefill_s=prefill_s,
+                decode_s=time.perf_counter() - start, cache_len=cache.length)
+
+
+# ---- the independent reference: transformers' LlamaForCausalLM, torch float32 on the CPU ----
+
+def transformers_outputs(model_dir, ids: list[int], generated: list[int]) -> dict | str:
+    """The same stages from HF transformers (forward hooks), or why they could not be computed."""
+    try:
+        import torch
+        import transformers
+        from transformers import AutoTokenizer, LlamaForCausalLM
+    except ImportError as e:
+        return f"skipped: {e.name} is not installed (make test installs torch and transformers)"
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    hf_ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, return_dict=False)
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    captured = {}
+
+    def keep(name):
+        return lambda module, args, out: captured.update({name: (out[0] if isinstance(out, tuple) else out)[0]})
+
+    modules = {"embed": hf.model.embed_tokens, "attn0": hf.model.layers[0].self_attn,
+               "layer0": hf.model.layers[0], "layers": hf.model.layers[-1]}
+    hooks = [m.register_forward_hook(keep(name)) for name, m in modules.items()]
+    with torch.no_grad():  # prompt + our answer in one pass: position t's logits predict token t+1
+        logits = hf(torch.tensor([ids + generated[:-1]])).logits[0]
+    for h in hooks:
+        h.remove()
+    return {"ids": list(hf_ids), "logits": logits.numpy(), **{k: v.numpy() for k, v in captured.items()}}
+
+
+# ---- the verdict table ----
+
+@dataclass
+class Stage:
+    name: str
+    output: str
+    seconds: float
+    check: str = "-"
+    ok: bool | None = None  # None: nothing to check, or the check was skipped
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def compare(out: np.ndarray, ref: np.ndarray) -> tuple[str, bool]:
+    if out.dtype != np.float32:
+        return f"dtype {out.dtype}, expected float32", False
+    if out.shape != ref.shape:
+        return f"shape {out.shape}, transformers {ref.shape}", False
+    err = rel_err(out, ref)
+    return f"rel err {err:.1e}", bool(err < TOLERANCE)
+
+
+def shape(a: np.ndarray) -> str:
+    return f"{tuple(a.shape)} {a.dtype}".replace("float32", "f32")
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+def print_table(stages: list[Stage], reference_name: str) -> None:
+    print(f"{'stage':<24} {'output':<24} {'time':>9}   check vs {reference_name}")
+    for s in stages:
+        verdict = {True: "ok", False: "FAIL", None: ""}[s.ok]
+        print(f"{s.name:<24} {s.output:<24} {s.seconds * 1e3:>6.0f} ms   {s.check:<44} {verdict}")
+
+
+def main() -> bool:
+    start = time.perf_counter()
+    m, load_s = timed(load)
+    cfg, model = m.cfg, m.model
+    print(f"model: {m.model_dir}\n  {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads of {cfg.head_dim}, "
+          f"FFN {cfg.intermediate_size}, vocab {cfg.vocab_size}; {m.nbytes / 1e6:.0f} MB of float32 weights "
+          f"loaded in {load_s:.1f} s\nprompt: {PROMPT!r} (chat template applied)\n")
+
+    ids, t_tok = timed(m.tok.apply_chat_template, MESSAGES)
+    cos, sin = reference.rope_cos_sin(model.inv_freq, np.arange(len(ids)))
+    x_embed, t_embed = timed(embed, model, ids)
+    attn0, t_attn0 = timed(attention_block, model, 0, x_embed, cos, sin)
+    x_attn0 = x_embed + attn0  # the residual connection: attention adds to the stream, never replaces it
+    mlp0, t_mlp0 = timed(mlp_block, model, 0, x_attn0)
+    x_layer0 = x_attn0 + mlp0
+    x, t_rest = x_layer0, 0.0
+    for i in range(1, cfg.num_hidden_layers):
+        x, dt = timed(layer, model, i, x, cos, sin)
+        t_rest += dt
+    logits, t_head = timed(lm_head, model, x)
+    gen = generate(model, ids, MAX_NEW_TOKENS, set(m.tok.stop_token_ids) | set(cfg.eos_token_ids))
+    tokens, answer = gen["tokens"], m.tok.decode([t for t in gen["tokens"] if t not in m.tok.stop_token_ids])
+
+    hf = transformers_outputs(m.model_dir, ids, tokens)
+    stages = [
+        Stage("tokenize", f"{len(ids)} ids", t_tok),
+        Stage("embed", shape(x_embed), t_embed),
+        Stage("layer 0 attention", shape(attn0), t_attn0),
+        Stage("layer 0 MLP", shape(x_layer0), t_mlp0),
+        Stage(f"all {cfg.num_hidden_layers} layers", shape(x), t_attn0 + t_mlp0 + t_rest),
+        Stage("final norm + lm_head", shape(logits), t_head),
+        Stage("prefill (engine forward)", shape(gen["prefill_logits"]), gen["prefill_s"]),
+        Stage("decode (KV cache)", f"{len(tokens)} tokens, cache {gen['cache_len']}", gen["decode_s"]),
+    ]
+    if isinstance(hf, str):
+        for s in stages[:-2] + stages[-1:]:
+            s.check = hf
+        stages[-2].check, stages[-2].ok = compare(gen["prefill_logits"], logits[-1])  # engine == the stages
+    else:
+        stages[0].check, stages[0].ok = ("ids identical" if ids == hf["ids"] else "ids differ"), ids == hf["ids"]
+        for s, ours, name in zip(stages[1:5], (x_embed, attn0, x_layer0, x), ("embed", "attn0", "layer0", "layers")):
+            s.check, s.ok = compare(ours, hf[name][:len(ids)])  # hf also ran our answer's tokens
+        n, hf_prompt = len(ids), hf["logits"][:len(ids)]
+        agree = int(np.sum(logits.argmax(-1) == hf_prompt.argmax(-1)))
+        check, ok = compare(logits, hf_prompt)
+        last_ok = logits[-1].argmax() == hf_prompt[-1].argmax()
+        stages[5].check, stages[5].ok = f"{check}, argmax {agree}/{n} positions", ok and bool(last_ok)
+        stages[6].check, stages[6].ok = compare(gen["prefill_logits"], hf_prompt[-1])
+        hf_greedy = hf["logits"][n - 1:].argmax(-1).tolist()  # teacher-forced: its choice after each prefix
+        same = sum(a == b for a, b in zip(tokens, hf_greedy))
+        stages[7].check, stages[7].ok = f"{same}/{len(tokens)} tokens = transformers' greedy", same == len(tokens)
+    stages.append(Stage("answer", f"{len(answer)} chars", 0.0, "contains 'Paris'", "Paris" in answer))
+
+    print_table(stages, "HF transformers LlamaForCausalLM (torch float32, CPU)")
+    per_token = gen["decode_s"] / max(len(tokens) - 1, 1)
+    print(f"\nanswer: {answer!r}\n{len(tokens)} tokens; decode {per_token * 1e3:.0f} ms/token; "
+          f"total {time.perf_counter() - start:.1f} s")
+    ok = all(s.ok is not False for s in stages)
+    print("checkpoint 1:", "PASSED" if ok else "FAILED")
+    return ok

@@ -1,0 +1,67 @@
+"""Chapter 2 exercises: read a safetensors header, widen and narrow bf16, lay out a blob.
+
+Fill in each function, then:
+    make grade CH=2                 # pytest -m ch2 --impl=student: the graders
+    make chapter-2 IMPL=student     # the chapter's checkpoint, running the engine on your functions
+
+Each function has the signature and docstring of the engine function it replaces (see REFERENCE).
+Raise tinyvllm.errors.TinyVLLMError for a corrupt file, never a bare exception.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.buffers import ALIGN, ITEMSIZE, Region  # noqa: F401  (what lay_out needs)
+from tinyvllm.errors import TinyVLLMError  # noqa: F401  (what parse_header raises)
+from tinyvllm.safetensors_format import DTYPES, MAX_HEADER_BYTES, TensorInfo  # noqa: F401
+
+REFERENCE = {
+    "parse_header": "tinyvllm.safetensors_format:parse_header",
+    "bf16_bits_to_float32": "tinyvllm.bf16:bf16_bits_to_float32",
+    "float32_to_bf16_bits": "tinyvllm.bf16:float32_to_bf16_bits",
+    "lay_out": "tinyvllm.buffers:lay_out",
+}
+
+
+def parse_header(raw: bytes, file_size: int, path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The tensors and metadata described by the start of a safetensors file.
+
+    raw: the file's first bytes, at least the 8-byte length and the header it announces.
+    file_size: the whole file's size in bytes, to check that every tensor's bytes are really there.
+    path: used only in error messages.
+    Returns ({name: TensorInfo with absolute offsets in the file}, {metadata key: value});
+    raises TinyVLLMError, naming the file (and the tensor), for every way the file can be corrupt.
+
+    Hints: struct.unpack("<Q", raw[:8]) is the length N; raw[8:8 + N] is UTF-8 JSON; the data
+    section starts at byte 8 + N; "__metadata__" is not a tensor. Check: N fits in the file, the
+    JSON is an object, each dtype is in DTYPES, each [begin, end] lies inside the file, end - begin
+    equals prod(shape) * itemsize, and no two tensors' byte ranges overlap.
+    """
+    raise NotImplementedError("Exercise 2.1: parse_header — read the 8-byte length, the JSON, "
+                              "and check every entry")
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bf16 bits -> float32 values (exact: every bf16 is a float32).
+
+    Hint: bf16 is the top half of a float32. Widen to uint32, shift, and reinterpret (.view).
+    """
+    raise NotImplementedError("Exercise 2.2: bf16_bits_to_float32 — a 16-bit shift and a view")
+
+
+def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values -> uint16 bf16 bits, rounding to nearest, ties to even (as torch does).
+
+    Hint: look at the float32 bits as uint32. Adding 0x7FFF plus the lowest kept bit before
+    dropping the low 16 bits rounds to nearest, ties to even. NaN must stay NaN.
+    """
+    raise NotImplementedError("Exercise 2.3: float32_to_bf16_bits — round to nearest even, keep NaN")
+
+
+def lay_out(arrays: list[tuple[str, tuple[int, ...], str]]) -> list[Region]:
+    """Place (name, shape, dtype) arrays back to back, each start rounded up to ALIGN bytes.
+
+    dtype is "bf16" or "f32" (ITEMSIZE gives the bytes per element). The first array starts at 0;
+    each next one at the first multiple of ALIGN at or after the end of the previous one.
+    """
+    raise NotImplementedError("Exercise 2.4: lay_out — sizes from shapes, offsets rounded up to ALIGN")

@@ -1,0 +1,227 @@
+"""Chapter 1 graders: RMSNorm, RoPE, softmax and GQA attention against torch / HF transformers.
+
+Every grader draws fresh random inputs with odd sizes and compares with an implementation that does
+not share code with the one under test: transformers' Llama modules, or torch's own ops.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+from transformers import LlamaConfig as HFLlamaConfig  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from chapters.grading import exercises  # noqa: E402
+from tinyvllm import reference  # noqa: E402
+from tinyvllm.config import load_config  # noqa: E402
+from tinyvllm.models import PRESETS, synth_model  # noqa: E402
+from tinyvllm.weights import load_weights  # noqa: E402
+
+F32 = np.float32
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def check(out, ref, shape, tol=1e-5):
+    """Same shape, float32 (NumPy 2 promotes silently), all finite, and close to the reference."""
+    assert isinstance(out, np.ndarray), f"expected a NumPy array, got {type(out).__name__}"
+    assert out.shape == tuple(shape), f"shape {out.shape}, expected {tuple(shape)}"
+    assert out.dtype == np.float32, f"dtype {out.dtype}, expected float32 (a float64 value leaked in?)"
+    assert np.all(np.isfinite(out)), "output has NaN or inf"
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.2e} vs the reference (tolerance {tol:.0e})"
+
+
+def randn(rng, *shape, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(F32)
+
+
+# ---------- Exercise 1.1: RMSNorm vs transformers' LlamaRMSNorm ----------
+
+@pytest.mark.ch1
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 300.0])  # 1e-3: eps dominates; 300: large activations
+def test_rms_norm_matches_llama_rmsnorm(impl, scale):
+    rng = np.random.default_rng()
+    T, hidden, eps = 7, 37, float(rng.choice([1e-5, 1e-6]))
+    x, w = randn(rng, T, hidden, scale=scale), 1 + randn(rng, hidden, scale=0.2)
+    hf = modeling_llama.LlamaRMSNorm(hidden, eps=eps)
+    with torch.no_grad():
+        hf.weight.copy_(torch.from_numpy(w))
+        ref = hf(torch.from_numpy(x)).numpy()
+    check(impl("rms_norm")(x, w, eps), ref, (T, hidden))
+
+
+@pytest.mark.ch1
+def test_rms_norm_works_over_the_last_axis_of_any_rank(impl):
+    rng = np.random.default_rng()
+    x, w = randn(rng, 3, 5, 24), randn(rng, 24)
+    hf = modeling_llama.LlamaRMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.from_numpy(w))
+        ref = hf(torch.from_numpy(x)).numpy()
+    check(impl("rms_norm")(x, w, 1e-5), ref, x.shape)
+
+
+# ---------- Exercise 1.2: RoPE frequencies vs transformers' LlamaRotaryEmbedding ----------
+
+def hf_inv_freq(cfg) -> np.ndarray:
+    """transformers' inv_freq for our config: its default or llama3 rope initializer."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} if cfg.rope_scaling is None else \
+        {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    hf_cfg = HFLlamaConfig(hidden_size=cfg.num_attention_heads * cfg.head_dim, head_dim=cfg.head_dim,
+                           num_attention_heads=cfg.num_attention_heads,
+                           max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope)
+    return modeling_llama.LlamaRotaryEmbedding(hf_cfg).inv_freq.numpy()
+
+
+@pytest.mark.ch1
+@pytest.mark.parametrize("head_dim", [16, 64, 96])
+def test_rope_inv_freq_without_scaling(impl, head_dim):
+    theta = float(np.random.default_rng().choice([10000.0, 100000.0, 500000.0]))
+    cfg = replace(PRESETS["smollm2-135m"], head_dim=head_dim, rope_theta=theta)
+    check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (head_dim // 2,))
+
+
+@pytest.mark.ch1
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_rope_inv_freq_with_llama3_scaling(impl, preset):
+    cfg = PRESETS[preset]
+    check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (cfg.head_dim // 2,))
+
+
+@pytest.mark.ch1
+def test_rope_inv_freq_with_unusual_llama3_parameters(impl):
+    """Other factors and an original context of 256, so every branch (kept, ramp, divided) is used."""
+    rng = np.random.default_rng()
+    scaling = {"rope_type": "llama3", "factor": float(rng.uniform(2, 40)), "low_freq_factor": 1.5,
+               "high_freq_factor": 6.0, "original_max_position_embeddings": 256}
+    cfg = replace(PRESETS["llama-3.2-1b"], head_dim=32, rope_theta=10000.0, rope_scaling=scaling)
+    check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (16,))
+
+
+# ---------- Exercise 1.3: RoPE rotation vs transformers' apply_rotary_pos_emb ----------
+
+def hf_cos_sin(head_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    hf_cfg = HFLlamaConfig(hidden_size=head_dim * 2, head_dim=head_dim, num_attention_heads=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    rotary = modeling_llama.LlamaRotaryEmbedding(hf_cfg)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.from_numpy(positions)[None])
+    return cos[0], sin[0]  # (T, head_dim) each
+
+
+@pytest.mark.ch1
+@pytest.mark.parametrize("T,heads,start", [(7, 5, 0), (1, 3, 1000), (13, 1, 42)])
+def test_apply_rope_matches_transformers(impl, T, heads, start):
+    rng = np.random.default_rng()
+    d = 24
+    x = randn(rng, T, heads, d)
+    cos, sin = hf_cos_sin(d, np.arange(start, start + T))
+    ref, _ = modeling_llama.apply_rotary_pos_emb(torch.from_numpy(x), torch.from_numpy(x), cos, sin,
+                                                 unsqueeze_dim=1)  # (T, d) -> (T, 1, d) over the heads
+    check(impl("apply_rope")(x, cos.numpy(), sin.numpy()), ref.numpy(), (T, heads, d))
+
+
+@pytest.mark.ch1
+def test_apply_rope_keeps_lengths_and_relative_angles(impl):
+    """Hand-derived: a rotation keeps each pair's length, and q.k depends only on the position gap."""
+    rng = np.random.default_rng()
+    d = 32
+    q, k = randn(rng, 1, 1, d), randn(rng, 1, 1, d)
+    rope = impl("apply_rope")
+
+    def at(x, pos):
+        cos, sin = hf_cos_sin(d, np.array([pos]))
+        return rope(x, cos.numpy(), sin.numpy())[0, 0].astype(np.float64)
+
+    pair_len = lambda v: np.hypot(v[: d // 2], v[d // 2:])  # noqa: E731
+    np.testing.assert_allclose(pair_len(at(q, 17)), pair_len(q[0, 0].astype(np.float64)), rtol=1e-5)
+    np.testing.assert_allclose(at(q, 9) @ at(k, 4), at(q, 105) @ at(k, 100), rtol=1e-4)
+
+
+# ---------- Exercise 1.4: softmax vs torch.softmax ----------
+
+@pytest.mark.ch1
+@pytest.mark.parametrize("scale", [1.0, 200.0])  # 200: exp() overflows float32 without the max trick
+def test_softmax_matches_torch(impl, scale):
+    rng = np.random.default_rng()
+    x = randn(rng, 3, 5, 11, scale=scale)
+    check(impl("softmax")(x), torch.softmax(torch.from_numpy(x), dim=-1).numpy(), x.shape)
+
+
+@pytest.mark.ch1
+def test_softmax_gives_masked_entries_zero(impl):
+    rng = np.random.default_rng()
+    x = randn(rng, 6, 9)
+    x[np.triu_indices(6, k=1, m=9)] = -np.inf  # a causal mask
+    out = impl("softmax")(x)
+    check(out, torch.softmax(torch.from_numpy(x), dim=-1).numpy(), x.shape)
+    assert np.all(out[np.triu_indices(6, k=1, m=9)] == 0)
+
+
+# ---------- Exercise 1.5: causal GQA attention vs torch's scaled_dot_product_attention ----------
+
+def torch_attention(q, k, v, start_pos):
+    """torch SDPA with an explicit causal mask for queries at start_pos.. (its is_causal assumes start 0)."""
+    T, S = q.shape[0], k.shape[0]
+    allowed = torch.arange(S)[None, :] <= (start_pos + torch.arange(T))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        torch.from_numpy(q).transpose(0, 1)[None], torch.from_numpy(k).transpose(0, 1)[None],
+        torch.from_numpy(v).transpose(0, 1)[None], attn_mask=allowed, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(T, -1).numpy()  # (H, T, d) -> (T, H*d)
+
+
+@pytest.mark.ch1
+@pytest.mark.parametrize("T,S,start,H,KVH", [
+    (11, 11, 0, 6, 2),    # prefill, 3 query heads per K/V head
+    (1, 13, 12, 6, 3),    # one decode step reading a 13-token cache
+    (4, 9, 5, 4, 4),      # a chunk of 4 after 5 cached tokens, no grouping (MHA)
+    (5, 5, 0, 8, 1),      # all query heads share one K/V head (MQA)
+])
+def test_attention_matches_torch_sdpa(impl, T, S, start, H, KVH):
+    rng = np.random.default_rng()
+    d = 16
+    q, k, v = randn(rng, T, H, d, scale=2.0), randn(rng, S, KVH, d, scale=2.0), randn(rng, S, KVH, d)
+    check(impl("attention")(q, k, v, start), torch_attention(q, k, v, start), (T, H * d))
+
+
+# ---------- All five together: a tiny Llama with your functions vs transformers ----------
+
+LLAMA3_SMALL = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256}  # small context so every rope branch is used
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    seed = int(np.random.default_rng().integers(1 << 30))
+    path = synth_model("llama-3.2-1b", tmp_path_factory.mktemp("tiny") / "model", seed=seed,
+                       num_hidden_layers=2, hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                       head_dim=16, intermediate_size=160, vocab_size=301, rope_theta=10000.0,
+                       rope_scaling=LLAMA3_SMALL, bos_token_id=1, eos_token_ids=(2,))
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, hf
+
+
+@pytest.mark.ch1
+def test_reference_model_with_your_functions_matches_transformers(impl, monkeypatch, tiny_llama):
+    """Prefill 20 tokens, then decode 9 one at a time through the KV cache: logits vs LlamaForCausalLM."""
+    path, hf = tiny_llama
+    for name in exercises(1).REFERENCE:
+        monkeypatch.setattr(reference, name, impl(name))
+    cfg = load_config(path)
+    model = reference.ReferenceModel(cfg, load_weights(path, cfg).views)
+    ids = np.random.default_rng().integers(0, cfg.vocab_size, 29)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)[None]).logits[0].numpy()
+    cache = model.new_cache(len(ids))
+    prefill = model.forward(ids[:20], cache)
+    decoded = [model.forward(ids[t:t + 1], cache, all_logits=False) for t in range(20, len(ids))]
+    check(prefill, ref[:20], (20, cfg.vocab_size), tol=1e-4)
+    check(np.stack(decoded), ref[20:], (9, cfg.vocab_size), tol=1e-4)
+    assert np.array_equal(np.stack(decoded).argmax(-1), ref[20:].argmax(-1))
