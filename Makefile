@@ -11,7 +11,7 @@ PROMPT ?= What is the capital of France?
 IMPL   ?= reference
 CH     ?= all
 
-.PHONY: setup run test test-gpu grade notebooks figures bench clean
+.PHONY: setup run test test-gpu grade notebooks figures bench bench-gpu clean
 .DEFAULT_GOAL := run
 
 $(PY):
@@ -36,8 +36,10 @@ run: setup  ## answer a chat prompt on the default model, streaming
 test: $(VENV)/.test  ## the CPU test suite (what CI runs)
 	$(PY) -m pytest -m "not gpu" -q
 
-test-gpu: $(VENV)/.test  ## the GPU tests (needs an NVIDIA GPU: pip install -e '.[gpu]')
-	$(PY) -m pytest -m gpu -q
+# With PYTHON=... given (a Python that already has CuPy, torch and transformers), nothing is installed.
+GPU_PY := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(PY))
+test-gpu: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.test)  ## the GPU tests (needs an NVIDIA GPU and CuPy: pip install -e '.[gpu]')
+	$(GPU_PY) -m pytest -m gpu -q -rs tests/test_gpu_*.py
 
 chapter-%: setup  ## run a chapter's checkpoint: make chapter-1 [IMPL=student]
 	$(PY) -m chapters $* --impl $(IMPL)
@@ -53,6 +55,9 @@ figures: $(VENV)/.test  ## regenerate figures/*.png from the real files
 
 bench: $(VENV)/.test  ## CPU decode benchmark vs transformers (writes bench/results/)
 	$(PY) bench/cpu_decode.py
+
+bench-gpu:  ## GPU benchmarks (writes bench/results/); PYTHON=... picks a Python with CuPy
+	$(GPU_PY) bench/prefill.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

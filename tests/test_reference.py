@@ -29,7 +29,6 @@ CHATS = [
     "Explain in three sentences why the sky is blue.",
     "List five fruits and one fact about each.",
     "How do I reverse a list in Python? Show code.",
-    "Translate 'good morning, my friend' into French, Spanish and German.",
 ]
 
 
@@ -102,19 +101,26 @@ def test_default_model_logits_match_transformers(default_ref, default_hf, chat_p
     assert max(errors) < 1e-4, errors
 
 
+def hf_greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.mark.slow
 def test_default_model_greedy_tokens_match_transformers_generate(default_ref, default_hf, chat_prompts):
     hf_eos = default_hf.generation_config.eos_token_id
-    stop_ids = set(default_ref.cfg.eos_token_ids) | set([hf_eos] if isinstance(hf_eos, int) else hf_eos or [])
+    stop_ids = set(default_ref.cfg.eos_token_ids) | set([hf_eos] if isinstance(hf_eos, int) else hf_eos)
     assert stop_ids == {2}  # <|im_end|>
+    lengths = []
     for ids in chat_prompts:
-        with torch.no_grad():
-            out = default_hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                      do_sample=False, max_new_tokens=GREEDY_TOKENS, pad_token_id=2)
-        theirs = up_to_stop(out[0, len(ids):].tolist(), stop_ids)
+        theirs = up_to_stop(hf_greedy(default_hf, ids, GREEDY_TOKENS), stop_ids)
         ours = up_to_stop(greedy_with_cache(default_ref, ids, GREEDY_TOKENS), stop_ids)
-        assert ours == theirs, f"prompt {ids[-12:]}: first difference at token " \
-                               f"{next(i for i, (a, b) in enumerate(zip(ours + [-1], theirs + [-2])) if a != b)}"
+        first_difference = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        assert ours == theirs, f"prompt {ids[-12:]}: tokens differ from position {first_difference}"
+        lengths.append(len(ours))
+    assert max(lengths) == GREEDY_TOKENS  # some answers run the full 64 tokens, past the easy first few
 
 
 # ---------------------------------------------------------------- tiny checkpoints written by transformers
@@ -128,8 +134,8 @@ BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_la
 # name: (config overrides, dtype written to disk, number of tokens)
 TINY = {
     "gqa1-untied-f32": (dict(), torch.float32, 48),
-    "gqa3-tied-bf16": (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),
-                       torch.bfloat16, 48),
+    "gqa3-tied-bf16": (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                            tie_word_embeddings=True), torch.bfloat16, 48),
     "gqa4-head_dim24-bf16": (dict(num_attention_heads=8, num_key_value_heads=2, head_dim=24), torch.bfloat16, 48),
     # wavelengths 2*pi*10000^(i/16): below 16 (kept), 16..64 (ramp), above 64 (divided by 32), and
     # positions up to 199, well past the 64 "original" ones
@@ -205,7 +211,8 @@ def assert_prefill_equals_prefill_plus_decode(model: ReferenceModel, ids: list[i
 
 def test_teacher_forced_parity_default_model(default_ref, chat_prompts):
     ids = chat_prompts[1]
-    errors = [assert_prefill_equals_prefill_plus_decode(default_ref, ids, t) for t in (1, len(ids) // 2, len(ids) - 1)]
+    errors = [assert_prefill_equals_prefill_plus_decode(default_ref, ids, t)
+              for t in (len(ids) // 2, len(ids) - 1)]
     print("prefill vs prefill+decode rel. errors:", ", ".join(f"{e:.2e}" for e in errors))
 
 

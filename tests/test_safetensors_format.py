@@ -99,13 +99,13 @@ def test_file_written_by_us_is_read_by_the_library(tmp_path):
 
 
 def test_views_are_zero_copy_and_read_only(default_model_dir):
-    f = SafetensorsFile(default_model_dir / "model.safetensors")
-    w = f.get("model.layers.3.mlp.up_proj.weight")
+    path = default_model_dir / "model.safetensors"
+    w = SafetensorsFile(path).get("model.layers.3.mlp.up_proj.weight")
     base = w
     while isinstance(base.base, np.ndarray):  # walk view -> view -> ... -> the map of the whole file
         base = base.base
-    assert isinstance(base, np.memmap) and np.shares_memory(w, base) and base.size == (default_model_dir / "model.safetensors").stat().st_size
-    assert not w.flags.writeable
+    assert isinstance(base, np.memmap) and base.size == path.stat().st_size
+    assert np.shares_memory(w, base) and not w.flags.writeable
 
 
 TAGS = st.sampled_from(["F16", "F32", "BF16", "I64", "I32", "U8", "F64", "BOOL"])
@@ -121,9 +121,9 @@ def test_random_files_round_trip_both_ways(specs, seed):
         theirs, ours = Path(tmp) / "theirs.safetensors", Path(tmp) / "ours.safetensors"
         safetensors_torch.save_file(tensors, str(theirs), metadata={"seed": str(seed)})
         assert our_read(theirs) == library_read(theirs)  # library writes -> we read
-        write_safetensors(ours, {name: (name.split(".")[1], (t.view(torch.int16) if t.dtype == torch.bfloat16
-                                                             else t).numpy()) for name, t in tensors.items()},
-                          {"seed": str(seed)})
+        arrays = {name: (name.split(".")[1], t.view(torch.int16).numpy().view(np.uint16)  # bf16 as its bits
+                         if t.dtype == torch.bfloat16 else t.numpy()) for name, t in tensors.items()}
+        write_safetensors(ours, arrays, {"seed": str(seed)})
         assert library_read(ours) == library_read(theirs)  # we write -> library reads the same
 
 

@@ -112,15 +112,17 @@ def test_plan_buffers_sizes_by_hand():
     cfg = PRESETS["smollm2-135m"]  # hidden 576, 9 heads x 64, 3 KV heads, FFN 1536, vocab 49152
     regions = {r.name: r for r in plan_buffers(cfg, max_tokens=100, max_seqs=3, dtype="bf16")}
     expected = {"residual": (100, 576), "normed": (100, 576), "qkv": (100, 576 + 2 * 192),
-                "attn_out": (100, 576), "gate_up": (100, 2 * 1536), "mlp_act": (100, 1536),
+                "attn_out": (100, 576), "delta": (100, 576), "gate_up": (100, 2 * 1536), "mlp_act": (100, 1536),
                 "logits": (3, 49152)}
     assert {n: r.shape for n, r in regions.items()} == expected
     for name, r in regions.items():
-        itemsize = 4 if name == "logits" else 2  # logits stay f32 for sampling
+        itemsize = 4 if name in ("residual", "logits") else 2  # the residual sum and the logits stay f32
         assert r.nbytes == math.prod(r.shape) * itemsize and r.offset % ALIGN == 0
-    assert regions["normed"].offset == 115_200  # 100 x 576 x 2 = 115,200 bytes, already aligned
-    assert regions["qkv"].offset == 230_400
-    assert regions["attn_out"].offset == 230_400 + 192_000
+    assert regions["normed"].offset == 230_400  # 100 x 576 x 4 = 230,400 bytes, already aligned
+    assert regions["qkv"].offset == 230_400 + 115_200
+    assert regions["attn_out"].offset == 345_600 + 192_000
+    last = regions["logits"]
+    assert blob_size(list(regions.values())) == last.offset + 3 * 49152 * 4
 
 
 def test_plan_weights_of_llama_3_2_1b():

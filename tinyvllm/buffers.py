@@ -63,10 +63,12 @@ def plan_buffers(cfg: LlamaConfig, max_tokens: int, max_seqs: int, dtype: str) -
     """Every activation buffer of one step of up to `max_tokens` tokens from up to `max_seqs` sequences."""
     h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
     return lay_out([
-        ("residual", (max_tokens, h), dtype),              # x, carried from layer to layer
+        ("residual", (max_tokens, h), "f32"),              # x, carried from layer to layer: fp32 so 2 adds
+                                                           # per layer do not each round to bf16
         ("normed", (max_tokens, h), dtype),                # RMSNorm(x): input of the next GEMM
         ("qkv", (max_tokens, qkv), dtype),                 # Q, K, V side by side: one GEMM writes all three
         ("attn_out", (max_tokens, cfg.q_size), dtype),
+        ("delta", (max_tokens, h), dtype),                 # o_proj / down_proj output, added to the residual
         ("gate_up", (max_tokens, 2 * cfg.intermediate_size), dtype),  # gate and up: one GEMM
         ("mlp_act", (max_tokens, cfg.intermediate_size), dtype),
         ("logits", (max_seqs, cfg.vocab_size), "f32"),     # only the positions that sample

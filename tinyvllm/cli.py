@@ -14,7 +14,7 @@ from tinyvllm.errors import TinyVLLMError
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors: one line, exit code 2, like ours
-        raise TinyVLLMError(f"{message} (see python -m tinyvllm {self.prog.split()[-1]} --help)")
+        raise TinyVLLMError(f"{message} (see python -m {self.prog} --help)")  # prog: "tinyvllm [command]"
 
 
 def _positive_int(text: str) -> int:
@@ -24,11 +24,13 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tinyvllm", description="A small vLLM for Llama models, for learning.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    # --debug is accepted before or after the command; SUPPRESS keeps a subcommand from resetting it
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+    parser = _Parser(prog="tinyvllm", description="A small vLLM for Llama models, for learning.", parents=[debug])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    gen = sub.add_parser("generate", help="answer a prompt, streaming the text")
+    gen = sub.add_parser("generate", parents=[debug], help="answer a prompt, streaming the text")
     gen.add_argument("prompt")
     gen.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF model directory")
     gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -40,17 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
-    info = sub.add_parser("info", help="the model's config and memory map (weights and buffers)")
+    info = sub.add_parser("info", parents=[debug],
+                          help="the model's config and memory map (weights and buffers)")
     info.add_argument("--model", default="default")
     info.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                       help="whose plan to show: cpu holds float32, cuda holds bf16")
     info.add_argument("--max-tokens", type=_positive_int, default=512, help="largest step the buffers hold")
     info.add_argument("--json", action="store_true")
 
-    path = sub.add_parser("model-path", help="print a model's directory (converting the default model once)")
+    path = sub.add_parser("model-path", parents=[debug],
+                          help="print a model's directory (converting the default model once)")
     path.add_argument("model", nargs="?", default="default")
 
-    synth = sub.add_parser("synth", help="write a random-weight checkpoint shaped like a real model")
+    synth = sub.add_parser("synth", parents=[debug],
+                           help="write a random-weight checkpoint shaped like a real model")
     synth.add_argument("--like", default="llama-3.2-1b")
     synth.add_argument("--out", required=True)
     synth.add_argument("--seed", type=int, default=0)
@@ -119,4 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `... | head` closed our stdout: not an error
+        sys.stderr.close()
+        return 0
     return 0

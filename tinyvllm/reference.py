@@ -86,6 +86,20 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return silu(gate) * up
 
 
+def stack_rows(mats: list[np.ndarray]) -> np.ndarray:
+    """(out_1 + out_2 + ..., in): weights that share an input, one under the other.
+
+    The weight blob stores q, k, v (and gate, up) back to back, so the stack is usually a free view of
+    that memory; a copy otherwise.
+    """
+    first, rows = mats[0], sum(m.shape[0] for m in mats)
+    adjacent = all(m.flags.c_contiguous and m.dtype == first.dtype and m.shape[1:] == first.shape[1:]
+                   for m in mats) and all(a.ctypes.data + a.nbytes == b.ctypes.data for a, b in zip(mats, mats[1:]))
+    if adjacent:
+        return np.lib.stride_tricks.as_strided(first, (rows, *first.shape[1:]), first.strides, writeable=False)
+    return np.concatenate(mats)
+
+
 class KVCache:
     """Contiguous K/V for one sequence: (layers, max_len, kv_heads, head_dim) each, filled up to `length`."""
 
@@ -102,6 +116,12 @@ class ReferenceModel:
         self.cfg, self.w = cfg, weights
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied if absent
         self.inv_freq = rope_inv_freq(cfg)
+        # Speed, not math: matrices that read the same input are stacked, so one matmul streams them all
+        layer = "model.layers.{}.".format
+        self.qkv = [stack_rows([weights[layer(i) + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+                    for i in range(cfg.num_hidden_layers)]                       # (q + 2 kv, hidden)
+        self.gate_up = [stack_rows([weights[layer(i) + f"mlp.{n}_proj.weight"] for n in ("gate", "up")])
+                        for i in range(cfg.num_hidden_layers)]                   # (2 ffn, hidden)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, max_len or self.cfg.max_position_embeddings)
@@ -117,17 +137,15 @@ class ReferenceModel:
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             h = rms_norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = (h @ self.w[p + "self_attn.q_proj.weight"].T).reshape(T, -1, cfg.head_dim)
-            k = (h @ self.w[p + "self_attn.k_proj.weight"].T).reshape(T, -1, cfg.head_dim)
-            v = (h @ self.w[p + "self_attn.v_proj.weight"].T).reshape(T, -1, cfg.head_dim)
+            q, k, v = np.split(h @ self.qkv[i].T, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+            q, k, v = (a.reshape(T, -1, cfg.head_dim) for a in (q, k, v))
             cache.k[i, positions] = apply_rope(k, cos, sin)
             cache.v[i, positions] = v
             q = apply_rope(q, cos, sin)
             attn = attention(q, cache.k[i, :start + T], cache.v[i, :start + T], start)
             x = x + attn @ self.w[p + "self_attn.o_proj.weight"].T
             h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            gate = h @ self.w[p + "mlp.gate_proj.weight"].T
-            up = h @ self.w[p + "mlp.up_proj.weight"].T
+            gate, up = np.split(h @ self.gate_up[i].T, 2, axis=-1)
             x = x + swiglu(gate, up) @ self.w[p + "mlp.down_proj.weight"].T
         cache.length = start + T
         if not all_logits:

@@ -1,7 +1,8 @@
 """Chapter 5: turning logits into the next token, with vLLM's SamplingParams.
 
-temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature, cut by top-k,
-top-p and min-p, renormalized and drawn from with the request's own seeded generator.
+temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature, cut by top-k and
+min-p, then by top-p among the survivors (vLLM's order), renormalized and drawn from with the request's
+own seeded generator.
 """
 from __future__ import annotations
 
@@ -53,9 +54,10 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     keep = np.ones_like(sorted_probs, dtype=bool)
     if params.top_k > 0:
         keep[params.top_k:] = False
-    if params.top_p < 1:  # keep a token if the mass before it is still below top_p
-        keep &= (np.cumsum(sorted_probs) - sorted_probs) < params.top_p
     if params.min_p > 0:
         keep &= sorted_probs >= params.min_p * sorted_probs[0]
+    if params.top_p < 1:  # as vLLM: top-p measures mass among the tokens top-k and min-p kept
+        kept = np.where(keep, sorted_probs, 0.0) / sorted_probs[keep].sum()
+        keep &= (np.cumsum(kept) - kept) < params.top_p  # keep a token if the mass before it is below top_p
     kept = np.where(keep, sorted_probs, 0.0)
     return int(order[rng.choice(len(kept), p=kept / kept.sum())])

@@ -182,62 +182,81 @@ def print_table(stages: list[Stage], reference_name: str) -> None:
         print(f"{s.name:<24} {s.output:<24} {s.seconds * 1e3:>6.0f} ms   {s.check:<44} {verdict}")
 
 
-def main() -> bool:
-    start = time.perf_counter()
-    m, load_s = timed(load)
+def run_stages(m: Loaded) -> tuple[list[int], dict, dict, list[Stage]]:
+    """Tokenize, then the forward pass one stage at a time, then greedy generation; every step timed."""
     cfg, model = m.cfg, m.model
-    print(f"model: {m.model_dir}\n  {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-          f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads of {cfg.head_dim}, "
-          f"FFN {cfg.intermediate_size}, vocab {cfg.vocab_size}; {m.nbytes / 1e6:.0f} MB of float32 weights "
-          f"loaded in {load_s:.1f} s\nprompt: {PROMPT!r} (chat template applied)\n")
-
     ids, t_tok = timed(m.tok.apply_chat_template, MESSAGES)
     cos, sin = reference.rope_cos_sin(model.inv_freq, np.arange(len(ids)))
     x_embed, t_embed = timed(embed, model, ids)
     attn0, t_attn0 = timed(attention_block, model, 0, x_embed, cos, sin)
     x_attn0 = x_embed + attn0  # the residual connection: attention adds to the stream, never replaces it
     mlp0, t_mlp0 = timed(mlp_block, model, 0, x_attn0)
-    x_layer0 = x_attn0 + mlp0
-    x, t_rest = x_layer0, 0.0
+    x, t_layers = x_attn0 + mlp0, t_attn0 + t_mlp0
+    out = {"embed": x_embed, "attn0": attn0, "layer0": x}
     for i in range(1, cfg.num_hidden_layers):
         x, dt = timed(layer, model, i, x, cos, sin)
-        t_rest += dt
-    logits, t_head = timed(lm_head, model, x)
+        t_layers += dt
+    out["layers"] = x
+    out["logits"], t_head = timed(lm_head, model, x)
     gen = generate(model, ids, MAX_NEW_TOKENS, set(m.tok.stop_token_ids) | set(cfg.eos_token_ids))
-    tokens, answer = gen["tokens"], m.tok.decode([t for t in gen["tokens"] if t not in m.tok.stop_token_ids])
-
-    hf = transformers_outputs(m.model_dir, ids, tokens)
     stages = [
         Stage("tokenize", f"{len(ids)} ids", t_tok),
         Stage("embed", shape(x_embed), t_embed),
         Stage("layer 0 attention", shape(attn0), t_attn0),
-        Stage("layer 0 MLP", shape(x_layer0), t_mlp0),
-        Stage(f"all {cfg.num_hidden_layers} layers", shape(x), t_attn0 + t_mlp0 + t_rest),
-        Stage("final norm + lm_head", shape(logits), t_head),
+        Stage("layer 0 MLP", shape(out["layer0"]), t_mlp0),
+        Stage(f"all {cfg.num_hidden_layers} layers", shape(x), t_layers),
+        Stage("final norm + lm_head", shape(out["logits"]), t_head),
         Stage("prefill (engine forward)", shape(gen["prefill_logits"]), gen["prefill_s"]),
-        Stage("decode (KV cache)", f"{len(tokens)} tokens, cache {gen['cache_len']}", gen["decode_s"]),
+        Stage("decode (KV cache)", f"{len(gen['tokens'])} tokens, cache {gen['cache_len']}", gen["decode_s"]),
     ]
+    return ids, out, gen, stages
+
+
+def check_with_transformers(stages: list[Stage], ids: list[int], out: dict, gen: dict, hf: dict) -> None:
+    """Fill in each stage's check from transformers' outputs (which also ran our answer's tokens)."""
+    n, hf_prompt = len(ids), hf["logits"][:len(ids)]
+    stages[0].check, stages[0].ok = ("ids identical" if ids == hf["ids"] else "ids differ"), ids == hf["ids"]
+    for stage, name in zip(stages[1:5], ("embed", "attn0", "layer0", "layers")):
+        stage.check, stage.ok = compare(out[name], hf[name][:n])
+    check, ok = compare(out["logits"], hf_prompt)
+    agree = int(np.sum(out["logits"].argmax(-1) == hf_prompt.argmax(-1)))
+    last_ok = bool(out["logits"][-1].argmax() == hf_prompt[-1].argmax())  # the one that picks the next token
+    stages[5].check, stages[5].ok = f"{check}, argmax {agree}/{n} positions", ok and last_ok
+    stages[6].check, stages[6].ok = compare(gen["prefill_logits"], hf_prompt[-1])
+    hf_greedy = hf["logits"][n - 1:].argmax(-1).tolist()  # teacher-forced: its choice after each prefix
+    same = sum(a == b for a, b in zip(gen["tokens"], hf_greedy))
+    stages[7].check = f"{same}/{len(gen['tokens'])} tokens = transformers' greedy"
+    stages[7].ok = same == len(gen["tokens"])
+
+
+def check_without_transformers(stages: list[Stage], out: dict, gen: dict) -> None:
+    for stage in stages:
+        stage.check = "skipped"
+    check, stages[6].ok = compare(gen["prefill_logits"], out["logits"][-1])  # the engine agrees with the stages
+    stages[6].check = f"vs the stages above: {check}"
+
+
+def main() -> bool:
+    start = time.perf_counter()
+    m, load_s = timed(load)
+    cfg = m.cfg
+    print(f"model: {m.model_dir}\n  {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads of {cfg.head_dim}, "
+          f"FFN {cfg.intermediate_size}, vocab {cfg.vocab_size}; {m.nbytes / 1e6:.0f} MB of float32 weights "
+          f"loaded in {load_s:.1f} s\nprompt: {PROMPT!r} (chat template applied)\n")
+    ids, out, gen, stages = run_stages(m)
+    tokens = gen["tokens"]
+    answer = m.tok.decode([t for t in tokens if t not in m.tok.stop_token_ids and t not in cfg.eos_token_ids])
+    hf = transformers_outputs(m.model_dir, ids, tokens)
     if isinstance(hf, str):
-        for s in stages[:-2] + stages[-1:]:
-            s.check = hf
-        stages[-2].check, stages[-2].ok = compare(gen["prefill_logits"], logits[-1])  # engine == the stages
+        print(f"transformers check {hf}\n")
+        check_without_transformers(stages, out, gen)
     else:
-        stages[0].check, stages[0].ok = ("ids identical" if ids == hf["ids"] else "ids differ"), ids == hf["ids"]
-        for s, ours, name in zip(stages[1:5], (x_embed, attn0, x_layer0, x), ("embed", "attn0", "layer0", "layers")):
-            s.check, s.ok = compare(ours, hf[name][:len(ids)])  # hf also ran our answer's tokens
-        n, hf_prompt = len(ids), hf["logits"][:len(ids)]
-        agree = int(np.sum(logits.argmax(-1) == hf_prompt.argmax(-1)))
-        check, ok = compare(logits, hf_prompt)
-        last_ok = logits[-1].argmax() == hf_prompt[-1].argmax()
-        stages[5].check, stages[5].ok = f"{check}, argmax {agree}/{n} positions", ok and bool(last_ok)
-        stages[6].check, stages[6].ok = compare(gen["prefill_logits"], hf_prompt[-1])
-        hf_greedy = hf["logits"][n - 1:].argmax(-1).tolist()  # teacher-forced: its choice after each prefix
-        same = sum(a == b for a, b in zip(tokens, hf_greedy))
-        stages[7].check, stages[7].ok = f"{same}/{len(tokens)} tokens = transformers' greedy", same == len(tokens)
+        check_with_transformers(stages, ids, out, gen, hf)
     stages.append(Stage("answer", f"{len(answer)} chars", 0.0, "contains 'Paris'", "Paris" in answer))
 
     print_table(stages, "HF transformers LlamaForCausalLM (torch float32, CPU)")
-    per_token = gen["decode_s"] / max(len(tokens) - 1, 1)
+    per_token = gen["decode_s"] / max(len(tokens) - 1, 1)  # the first token came from the prefill
     print(f"\nanswer: {answer!r}\n{len(tokens)} tokens; decode {per_token * 1e3:.0f} ms/token; "
           f"total {time.perf_counter() - start:.1f} s")
     ok = all(s.ok is not False for s in stages)

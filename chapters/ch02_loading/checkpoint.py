@@ -35,7 +35,7 @@ class Verdicts:
     def ok(self) -> bool:
         return all(r[-1] == "ok" or r[-1].startswith("skipped") for r in self.rows)
 
-    def print(self) -> None:
+    def show(self) -> None:
         header = ("check", "count", "bytes", "time", "result")
         widths = [max(len(r[i]) for r in [header, *self.rows]) for i in range(4)]
         for row in [header, *self.rows]:
@@ -122,7 +122,7 @@ def check_narrowing(f: safetensors_format.SafetensorsFile, v: Verdicts) -> None:
           "ok" if wrong == 0 else f"FAIL: {wrong:,} values rounded differently")
 
 
-def check_blob(model_dir: Path, f: safetensors_format.SafetensorsFile, v: Verdicts) -> weights.Weights:
+def check_blob(model_dir: Path, f: safetensors_format.SafetensorsFile, v: Verdicts) -> None:
     """One allocation; every weight a view inside it, aligned, holding the widened file values."""
     t0 = time.perf_counter()
     w = weights.load_weights(model_dir, load_config(model_dir))
@@ -138,7 +138,6 @@ def check_blob(model_dir: Path, f: safetensors_format.SafetensorsFile, v: Verdic
             problems.append(f"{name} holds other values than the file")
     v.add("one blob, every weight a view in it", len(w.views), w.blob.nbytes, seconds,
           "ok" if not problems else f"FAIL: {problems[0]}")
-    return w
 
 
 def print_plan(model_dir: Path) -> None:
@@ -148,7 +147,7 @@ def print_plan(model_dir: Path) -> None:
     plan_b = buffers.plan_buffers(cfg, MAX_TOKENS, max_seqs=1, dtype="f32")
     mib = 2**20
     kinds = ", ".join(f"{k} {n / mib:.1f}" for k, n in bytes_by_kind(plan_w).items())
-    print(f"\nmemory plan (CPU, f32; python -m tinyvllm info for the full table)")
+    print("\nmemory plan (CPU, f32; python -m tinyvllm info for the full table)")
     print(f"  weights  {buffers.blob_size(plan_w) / mib:7.1f} MiB in {len(plan_w)} views  ({kinds} MiB)")
     print(f"  buffers  {buffers.blob_size(plan_b) / mib:7.1f} MiB for a step of {MAX_TOKENS} tokens, "
           "reused by every step:")
@@ -169,7 +168,7 @@ def main() -> bool:
     check_widening(f, v)
     check_narrowing(f, v)
     check_blob(model_dir, f, v)
-    v.print()
+    v.show()
     print_plan(model_dir)
     print(f"\nchapter 2: {'PASS' if v.ok else 'FAIL'}")
     return v.ok

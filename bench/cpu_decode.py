@@ -1,0 +1,209 @@
+"""CPU decode speed: tinyvllm's NumPy engine against HF transformers, same machine, weights and prompt.
+
+    python bench/cpu_decode.py [--tokens 128] [--chunk 16]
+
+Both engines decode greedily for exactly --tokens steps (no stop on EOS) after the same chat prompt.
+Their decode loops run in alternating chunks of --chunk steps, so a neighbour that loads the CPU for a
+while slows both, not one; before each chunk the script sleeps --settle seconds, because the thread pool
+that just worked (OpenBLAS's, or torch's OpenMP one) keeps spinning a while and would slow the other. Decoding one token reads every weight once, so the floor per token is the
+weight bytes divided by the copy bandwidth measured here. Writes bench/results/cpu_decode-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import DynamicCache, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from tinyvllm.llm import LLM  # noqa: E402
+
+PROMPT = "What is the capital of France?"
+
+
+def machine() -> dict:
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    meminfo = Path("/proc/meminfo").read_text()
+    blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    return {
+        "cpu": next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith("model name")), "?"),
+        "cores": os.cpu_count(),
+        "ram_gb": round(int(meminfo.split()[1]) / 2**20, 1),  # MemTotal is in KiB
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numpy_blas": f"{blas['name']} {blas.get('version', '')}".strip(),
+        "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes read + written per second by one large np.copyto: what streaming memory can do here."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.zeros_like(src)  # both touched once before timing, so no page faults are timed
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return 2 * nbytes / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def decode_weight_bytes(llm: LLM) -> int:
+    """Bytes of weights one decode step reads: every matrix and norm, plus lm_head; one embedding row."""
+    w = llm.model.w
+    layers = sum(a.nbytes for name, a in w.items() if name.startswith("model.layers."))
+    embedding_row = llm.config.hidden_size * 4
+    return layers + w["model.norm.weight"].nbytes + llm.model.lm_head.nbytes + embedding_row
+
+
+class Tinyvllm:
+    name = "tinyvllm"
+
+    def __init__(self, llm: LLM, ids: list[int], steps: int):
+        self.model, self.ids, self.steps = llm.model, ids, steps
+
+    def prefill(self) -> int:
+        self.cache = self.model.new_cache(len(self.ids) + self.steps + 1)
+        return int(np.argmax(self.model.forward(self.ids, self.cache, all_logits=False)))
+
+    def step(self, token: int) -> int:
+        return int(np.argmax(self.model.forward([token], self.cache, all_logits=False)))
+
+
+class Transformers:
+    name = "transformers"
+
+    def __init__(self, model: LlamaForCausalLM, ids: list[int]):
+        self.model, self.ids = model, torch.tensor([ids])
+        # transformers 5.24 renamed past_key_values to cache; an unknown keyword would be silently ignored
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def prefill(self) -> int:
+        self.cache = DynamicCache()
+        out = self.model(self.ids, **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=1)  # last position only, like ours
+        return int(out.logits[0, -1].argmax())
+
+    def step(self, token: int) -> int:
+        out = self.model(torch.tensor([[token]]), **{self.cache_arg: self.cache}, use_cache=True)
+        return int(out.logits[0, -1].argmax())
+
+
+def run_interleaved(engines: list, steps: int, chunk: int, warmup: int, settle: float) -> dict[str, dict]:
+    """Prefill each engine (timed), then decode `steps` tokens in alternating chunks; warm-up steps excluded."""
+    state = {}
+    for e in engines:
+        time.sleep(settle)
+        prefill_s = [_timed(e.prefill) for _ in range(3)]  # each call starts a fresh cache
+        state[e.name] = {"prefill_ms": 1e3 * statistics.median(prefill_s), "tokens": [e.prefill()], "step_s": []}
+    for begin in range(0, warmup + steps, chunk):
+        for e in engines:
+            s = state[e.name]
+            time.sleep(settle)
+            for _ in range(min(chunk, warmup + steps - begin)):
+                start = time.perf_counter()
+                s["tokens"].append(e.step(s["tokens"][-1]))
+                s["step_s"].append(time.perf_counter() - start)
+    results = {}
+    for name, s in state.items():
+        times = s["step_s"][warmup:]
+        results[name] = {"prefill_ms": round(s["prefill_ms"], 2),
+                         "decode_ms_per_token_median": round(1e3 * statistics.median(times), 2),
+                         "decode_ms_per_token_mean": round(1e3 * statistics.mean(times), 2),
+                         "decode_ms_per_token_min": round(1e3 * min(times), 2),
+                         "tokens": s["tokens"]}
+    return results
+
+
+def peak_rss_of_generate(model: str) -> dict:
+    """Peak resident memory of the CLI answering a short prompt, in its own process."""
+    command = ["-m", "tinyvllm", "generate", PROMPT, "--max-tokens", "64", "--model", model]
+    proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True)
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # Linux reports KiB
+    return {"command": shlex.join(["python", *command]), "returncode": proc.returncode,
+            "peak_rss_mb": round(peak_kib / 1024, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="'default' or a HF-layout Llama directory")
+    ap.add_argument("--tokens", type=int, default=128, help="decode steps timed per engine")
+    ap.add_argument("--chunk", type=int, default=16, help="steps per engine before switching to the other")
+    ap.add_argument("--warmup", type=int, default=8, help="decode steps run first and not timed")
+    ap.add_argument("--settle", type=float, default=0.3, help="seconds of sleep before each chunk")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args()
+
+    rss = peak_rss_of_generate(args.model)  # first: the only child, so RUSAGE_CHILDREN is its own peak
+    report = {"machine": machine(), "peak_rss_generate": rss}
+    bandwidth = copy_bandwidth()
+
+    llm = LLM(args.model, device="cpu")
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    hf = LlamaForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    engines = [Tinyvllm(llm, ids, args.warmup + args.tokens), Transformers(hf, ids)]
+    with torch.inference_mode():
+        results = run_interleaved(engines, args.tokens, args.chunk, args.warmup, args.settle)
+
+    weight_bytes = decode_weight_bytes(llm)
+    floor_ms = 1e3 * weight_bytes / bandwidth
+    ours, theirs = results["tinyvllm"], results["transformers"]
+    same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
+    for r in results.values():
+        r["floor_over_median"] = round(floor_ms / r["decode_ms_per_token_median"], 3)
+    report["machine"]["load_average_at_end"] = os.getloadavg()
+    report.update({
+        "workload": {"model": args.model, "model_dir": str(llm.model_dir),
+                     "prompt": PROMPT, "chat_template": True, "prompt_tokens": len(ids),
+                     "generated_tokens": args.tokens, "warmup_tokens": args.warmup, "chunk": args.chunk,
+                     "settle_s": args.settle,
+                     "greedy": True, "stop_on_eos": False, "dtype": "float32"},
+        "transformers_method": "manual greedy loop: model(token, cache=DynamicCache()), eager "
+                               "attention, torch.inference_mode, float32; per-step wall time",
+        "tinyvllm_method": "ReferenceModel.forward([token], cache, all_logits=False), the call LLM.stream makes",
+        "tinyvllm": ours, "transformers": theirs,
+        "ratio_tinyvllm_over_transformers": round(ours["decode_ms_per_token_median"]
+                                                  / theirs["decode_ms_per_token_median"], 3),
+        "greedy_tokens_identical": f"{same}/{len(ours['tokens'])}",
+        "memory_floor": {"weight_bytes_per_decode_step": weight_bytes,
+                         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+                         "floor_ms_per_token": round(floor_ms, 2)},
+    })
+
+    print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, load "
+          f"{report['machine']['load_average_at_start'][0]:.1f} -> {report['machine']['load_average_at_end'][0]:.1f}")
+    print(f"prompt {len(ids)} tokens, {args.tokens} decode steps (median / mean ms per token, prefill ms)")
+    for name, r in results.items():
+        print(f"  {name:13s} {r['decode_ms_per_token_median']:8.1f} {r['decode_ms_per_token_mean']:8.1f}"
+              f"   prefill {r['prefill_ms']:.1f}")
+    print(f"ratio tinyvllm / transformers: {report['ratio_tinyvllm_over_transformers']}")
+    print(f"floor: {weight_bytes / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s copy = {floor_ms:.1f} ms/token")
+    print(f"greedy tokens identical: {report['greedy_tokens_identical']}")
+    print(f"peak RSS of `{rss['command']}`: {rss['peak_rss_mb']} MB")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"cpu_decode-{datetime.now():%Y-%m-%d-%H%M%S}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Every CUDA kernel against its NumPy twin (tinyvllm/backend/numpy_ops.py) on fresh random inputs,
+odd sizes included, outputs filled with NaN before the launch. Run with `make test-gpu`."""
+import numpy as np
+import pytest
+
+from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, rel_error, requires_gpu
+from tinyvllm.backend import numpy_ops as twin
+from tinyvllm.model import rope_tables
+from tinyvllm.models import PRESETS
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from tinyvllm.backend import cuda_ops
+    return cuda_ops
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+@pytest.mark.parametrize("T,vocab,hidden", [(1, 1000, 64), (37, 49152, 576), (130, 5000, 2049)])
+def test_embedding(ops, rng, T, vocab, hidden):
+    import cupy as cp
+    table32, table = bf16_pair(rng, (vocab, hidden))
+    ids = rng.integers(0, vocab, T).astype(np.int32)
+    out = cp.full((T, hidden), np.nan, dtype=cp.float32)
+    ops.embedding(cp.asarray(ids), table, out)
+    expected = np.empty((T, hidden), np.float32)
+    twin.embedding(ids, table32, expected)
+    np.testing.assert_array_equal(cp.asnumpy(out), expected)
+
+
+@pytest.mark.parametrize("T,hidden", [(1, 64), (5, 576), (37, 1000), (129, 2048), (3, 3072)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(ops, rng, T, hidden, with_delta):
+    import cupy as cp
+    residual = rng.standard_normal((T, hidden), dtype=np.float32) * 3
+    delta32, delta = bf16_pair(rng, (T, hidden)) if with_delta else (None, None)
+    weight32, weight = bf16_pair(rng, (hidden,))
+    res_gpu, out = cp.asarray(residual), nan_bf16((T, hidden))
+    ops.add_rms_norm(res_gpu, delta, weight, out, 1e-5)
+    expected_out = np.empty((T, hidden), np.float32)
+    twin.add_rms_norm(residual, delta32, weight32, expected_out, 1e-5)
+    np.testing.assert_allclose(cp.asnumpy(res_gpu), residual, rtol=1e-6, atol=1e-6)
+    assert rel_error(from_bf16(out), expected_out) < 1e-2
+
+
+@pytest.mark.parametrize("T,heads,kv_heads,head_dim", [(1, 4, 4, 64), (37, 9, 3, 64), (200, 32, 8, 64),
+                                                        (17, 24, 8, 128)])
+def test_rope(ops, rng, T, heads, kv_heads, head_dim):
+    import cupy as cp
+    from dataclasses import replace
+    cfg = replace(PRESETS["llama-3.2-1b"], head_dim=head_dim)  # llama3 frequency scaling
+    cos, sin = rope_tables(cfg, 9000)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv32, qkv = bf16_pair(rng, (T, width))
+    positions = rng.integers(0, 9000, T).astype(np.int32)
+    ops.rope(qkv, cp.asarray(positions), cp.asarray(cos), cp.asarray(sin), heads + kv_heads, head_dim)
+    twin.rope(qkv32, positions, cos, sin, heads + kv_heads, head_dim)
+    got = from_bf16(qkv)
+    assert rel_error(got, qkv32) < 1e-2
+    v = slice((heads + kv_heads) * head_dim, None)
+    np.testing.assert_array_equal(got[:, v], qkv32[:, v])  # V columns are not rotated
+
+
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 64, 65, 200, 1000])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (32, 8, 64), (8, 2, 128)])
+def test_prefill_attention(ops, rng, T, heads, kv_heads, head_dim):
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv32, qkv = bf16_pair(rng, (T, width), scale=2.0)  # scale 2: peaked softmax rows, not uniform mush
+    out = nan_bf16((T, heads * head_dim))
+    ops.prefill_attention(qkv, out, heads, kv_heads, head_dim)
+    expected = np.empty((T, heads * head_dim), np.float32)
+    twin.prefill_attention(qkv32, expected, heads, kv_heads, head_dim)
+    got = from_bf16(out)
+    assert not np.isnan(got).any()
+    assert rel_error(got, expected) < 1e-2
+    np.testing.assert_allclose(got[0], expected[0], rtol=2e-2, atol=2e-2)  # row 0 sees only key 0: = v_0
+
+
+def test_prefill_attention_writes_only_its_columns(ops, rng):
+    """out may be a slice of a wider buffer: the kernel writes its rows' head columns and nothing else."""
+    import cupy as cp
+    T, heads, kv_heads, d = 33, 4, 2, 64
+    _, qkv = bf16_pair(rng, (T, (heads + 2 * kv_heads) * d))
+    wide = nan_bf16((T + 3, heads * d + 64))
+    ops.prefill_attention(qkv, wide[:T, :heads * d], heads, kv_heads, d)
+    got = from_bf16(wide)
+    assert not np.isnan(got[:T, :heads * d]).any()
+    assert np.isnan(got[T:]).all() and np.isnan(got[:, heads * d:]).all()
+    assert cp.asnumpy(wide).dtype == np.uint16
+
+
+@pytest.mark.parametrize("T,inter", [(1, 64), (37, 1536), (5, 1000), (129, 8192)])
+def test_swiglu(ops, rng, T, inter):
+    gate_up32, gate_up = bf16_pair(rng, (T, 2 * inter))
+    act = nan_bf16((T, inter))
+    ops.swiglu(gate_up, act)
+    expected = np.empty((T, inter), np.float32)
+    twin.swiglu(gate_up32, expected)
+    assert rel_error(from_bf16(act), expected) < 1e-2
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1000), (3, 49152), (2, 128256), (4, 1)])
+def test_argmax(ops, rng, rows, vocab):
+    import cupy as cp
+    logits = rng.standard_normal((rows, vocab), dtype=np.float32)
+    if vocab > 10:  # ties: the first index must win, as in NumPy
+        top = logits.max(axis=1) + 1
+        logits[:, vocab // 2] = top
+        logits[:, vocab - 1] = top
+    out = cp.full(rows, -1, dtype=cp.int32)
+    ops.argmax(cp.asarray(logits), out)
+    np.testing.assert_array_equal(cp.asnumpy(out), np.argmax(logits, axis=1))

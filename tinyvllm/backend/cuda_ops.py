@@ -1,0 +1,108 @@
+"""The CUDA backend: CuPy arrays, the kernels of tinyvllm/kernels/*.cu, GEMMs through cuBLAS.
+
+bf16 has no CuPy dtype, so bf16 tensors are uint16 arrays holding the bits; the kernels read them
+as __nv_bfloat16. Each kernel file is compiled once per process by NVRTC (cupy.RawModule).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+from tinyvllm.gemm import gemm_cublas as gemm  # noqa: F401  (part of the backend's interface)
+
+xp = cp
+DTYPE = np.uint16  # bf16 bits
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+ROWS = 256  # threads per block for the row-wise kernels
+
+
+def _toolkit_includes() -> list[str]:
+    """The CUDA toolkit's include dir, when the pip-installed NVRTC headers lack crt/mma.h (tensor cores)."""
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    return [f"-I{r}/include" for r in roots if r and Path(r, "include", "crt", "mma.h").is_file()][:1]
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(file: str, name: str) -> cp.RawKernel:
+    source = (KERNELS_DIR / f"{file}.cu").read_text()
+    module = cp.RawModule(code=source, options=("-std=c++17", f"-I{KERNELS_DIR}", *_toolkit_includes()))
+    return module.get_function(name)
+
+
+def blob(nbytes: int) -> cp.ndarray:
+    """One device allocation to carve named views from (CuPy's allocations are 256-byte aligned)."""
+    return cp.empty(nbytes, dtype=cp.uint8)
+
+
+def to_device(a: np.ndarray, dtype=None) -> cp.ndarray:
+    return cp.asarray(np.ascontiguousarray(a, dtype=dtype))
+
+
+def to_host(a: cp.ndarray) -> np.ndarray:
+    return cp.asnumpy(a)
+
+
+def upload_weight(a: np.ndarray) -> cp.ndarray:
+    """A checkpoint tensor -> bf16 bits on the GPU: half the bytes of float32 to read every step."""
+    from tinyvllm.bf16 import float32_to_bf16_bits
+    return cp.asarray(a if a.dtype == np.uint16 else float32_to_bf16_bits(a.astype(np.float32)))
+
+
+def _rows_ok(*arrays) -> None:
+    for a in arrays:  # the kernels index rows with one stride and contiguous columns
+        assert a is None or a.strides[-1] == a.itemsize, "rows must be contiguous"
+
+
+def embedding(ids: cp.ndarray, table: cp.ndarray, residual: cp.ndarray) -> None:
+    _rows_ok(table, residual)
+    kernel("embedding", "embedding")((len(ids),), (ROWS,), (ids, table, residual, np.int32(table.shape[1])))
+
+
+def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray | None, weight: cp.ndarray, out: cp.ndarray,
+                 eps: float) -> None:
+    _rows_ok(residual, delta, out)
+    T, hidden = residual.shape
+    kernel("rms_norm", "add_rms_norm")((T,), (ROWS,), (residual, delta if delta is not None else np.uint64(0), weight, out,
+                                                        np.float32(eps), np.int32(hidden)))
+
+
+def rope(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, num_heads: int,
+         head_dim: int) -> None:
+    _rows_ok(qkv)
+    kernel("rope", "rope")((len(positions),), (ROWS,), (qkv, positions, cos, sin, np.int32(num_heads),
+                                                        np.int32(head_dim), np.int32(qkv.strides[0] // 2)))
+
+
+def attention_smem_bytes(head_dim: int) -> int:
+    """Q, K, V tiles (64 x d bf16) + per-warp scores and output (fp32) and probabilities (bf16), rows padded."""
+    return 3 * 64 * (head_dim + 8) * 2 + 4 * 16 * ((64 + 4) + (head_dim + 4)) * 4 + 4 * 16 * (64 + 8) * 2
+
+
+def prefill_attention(qkv: cp.ndarray, out: cp.ndarray, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> None:
+    assert head_dim % 16 == 0 and qkv.strides[0] % 16 == 0, "tensor-core tiles need head_dim % 16 == 0"
+    _rows_ok(qkv, out)
+    T = qkv.shape[0]
+    k = kernel("prefill_attention", "prefill_attention")
+    smem = attention_smem_bytes(head_dim)
+    k.max_dynamic_shared_size_bytes = smem
+    k(((T + 63) // 64, num_heads), (128,),
+      (qkv, out, np.int32(T), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
+       np.int32(qkv.strides[0] // 2), np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)),
+      shared_mem=smem)
+
+
+def swiglu(gate_up: cp.ndarray, act: cp.ndarray) -> None:
+    _rows_ok(gate_up, act)
+    T, inter = act.shape
+    assert act.strides[0] == inter * 2 and gate_up.strides[0] == 4 * inter, "swiglu wants whole rows"
+    kernel("swiglu", "swiglu")(((T * inter + ROWS - 1) // ROWS,), (ROWS,), (gate_up, act, np.int32(T), np.int32(inter)))
+
+
+def argmax(logits: cp.ndarray, out: cp.ndarray) -> None:
+    _rows_ok(logits)
+    kernel("argmax", "argmax")((logits.shape[0],), (1024,), (logits, out, np.int32(logits.shape[1])))

@@ -1,0 +1,28 @@
+// Shared helpers for every tinyvllm kernel: bf16 <-> fp32 and warp/block reductions.
+// bf16 values travel as __nv_bfloat16 (CuPy holds them as uint16 bits); all math is fp32.
+#pragma once
+#include <cuda_bf16.h>
+
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+    return v;
+}
+
+// Sum over a whole block (blockDim.x a multiple of 32, at most 1024): warps reduce, then warp 0.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    v = warp_sum(v);
+    __syncthreads();  // partial[] may still be read by a previous call
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = (threadIdx.x < blockDim.x / 32) ? partial[lane] : 0.0f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    return partial[0];
+}

@@ -1,0 +1,100 @@
+"""Chapter 3: the engine's model on one device — fused weights in one blob, RoPE tables, buffers.
+
+The checkpoint's Q, K and V projections are stacked into one (q + 2 kv, hidden) matrix, and gate and
+up into one (2 inter, hidden) matrix, so each takes ONE GEMM whose output lands in one buffer.
+On the GPU the weights stay bf16 (uint16 bits); on the CPU they are float32. Same code either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tinyvllm.backend import load_backend
+from tinyvllm import buffers
+from tinyvllm.config import LlamaConfig, load_config
+from tinyvllm.reference import rope_inv_freq
+from tinyvllm.weights import open_checkpoint
+
+
+def plan_engine_weights(cfg: LlamaConfig, dtype: str):
+    """The engine's weight blob: HF tensors with Q/K/V and gate/up fused, in execution order."""
+    h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+    arrays = [("embed", (cfg.vocab_size, h), dtype)]
+    for i in range(cfg.num_hidden_layers):
+        arrays += [(f"{i}.input_norm", (h,), dtype), (f"{i}.qkv", (qkv, h), dtype),
+                   (f"{i}.o_proj", (h, cfg.q_size), dtype), (f"{i}.post_norm", (h,), dtype),
+                   (f"{i}.gate_up", (2 * cfg.intermediate_size, h), dtype),
+                   (f"{i}.down", (h, cfg.intermediate_size), dtype)]
+    arrays.append(("final_norm", (h,), dtype))
+    if not cfg.tie_word_embeddings:
+        arrays.append(("lm_head", (cfg.vocab_size, h), dtype))
+    return buffers.lay_out(arrays)  # through the module: chapter 2's student lay_out plugs in here
+
+
+def _sources(cfg: LlamaConfig, i: int) -> dict[str, list[str]]:
+    """Which HF tensors (stacked by rows) make each fused engine weight of layer i."""
+    p = f"model.layers.{i}."
+    return {f"{i}.input_norm": [p + "input_layernorm.weight"],
+            f"{i}.qkv": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+            f"{i}.o_proj": [p + "self_attn.o_proj.weight"],
+            f"{i}.post_norm": [p + "post_attention_layernorm.weight"],
+            f"{i}.gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            f"{i}.down": [p + "mlp.down_proj.weight"]}
+
+
+def rope_tables(cfg: LlamaConfig, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every (position, frequency pair), fp32 (num_positions, head_dim / 2).
+
+    Built once per model and shared by prefill and decode, so both rotate a position identically.
+    """
+    angles = np.outer(np.arange(num_positions, dtype=np.float32), rope_inv_freq(cfg))
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@dataclass
+class Layer:
+    input_norm: object
+    qkv: object
+    o_proj: object
+    post_norm: object
+    gate_up: object
+    down: object
+
+
+class Model:
+    def __init__(self, model_dir: str | Path, device: str = "auto", max_tokens: int = 2048,
+                 max_model_len: int | None = None):
+        self.cfg = cfg = load_config(model_dir)
+        self.ops = ops = load_backend(device)
+        self.device = "cuda" if ops.__name__.endswith("cuda_ops") else "cpu"
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_tokens = min(max_tokens, self.max_model_len)
+        dtype = "bf16" if self.device == "cuda" else "f32"
+        self.weight_regions = plan_engine_weights(cfg, dtype)
+        self.weights = buffers.carve(ops.blob(buffers.blob_size(self.weight_regions)),
+                                    self.weight_regions)
+        self._fill_weights(open_checkpoint(model_dir, cfg))
+        w = self.weights
+        self.embed, self.final_norm = w["embed"], w["final_norm"]
+        self.lm_head = w.get("lm_head", w["embed"])  # tied: the embedding matrix is the output head
+        self.layers = [Layer(*(w[f"{i}.{n}"] for n in ("input_norm", "qkv", "o_proj", "post_norm", "gate_up",
+                                                       "down"))) for i in range(cfg.num_hidden_layers)]
+        cos, sin = rope_tables(cfg, self.max_model_len)
+        self.cos, self.sin = ops.to_device(cos), ops.to_device(sin)
+        self.buffer_regions = buffers.plan_buffers(cfg, self.max_tokens, max_seqs=1, dtype=dtype)
+        self.buffers = buffers.carve(ops.blob(buffers.blob_size(self.buffer_regions)),
+                                    self.buffer_regions)
+
+    def _fill_weights(self, tensors: dict[str, np.ndarray]) -> None:
+        names = {"embed": ["model.embed_tokens.weight"], "final_norm": ["model.norm.weight"],
+                 "lm_head": ["lm_head.weight"]}
+        for i in range(self.cfg.num_hidden_layers):
+            names.update(_sources(self.cfg, i))
+        for name, view in self.weights.items():
+            rows = 0
+            for source in names[name]:  # stack the HF tensors row after row into the fused view
+                t = tensors[source]
+                view[rows:rows + t.shape[0]] = self.ops.upload_weight(t)
+                rows += t.shape[0]
