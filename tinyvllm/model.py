@@ -13,7 +13,7 @@ import numpy as np
 
 from tinyvllm.backend import load_backend
 from tinyvllm import buffers
-from tinyvllm.config import LlamaConfig, load_config
+from tinyvllm.config import LlamaConfig, expected_tensor_shapes, load_config
 from tinyvllm.reference import rope_inv_freq
 from tinyvllm.weights import open_checkpoint
 
@@ -87,14 +87,29 @@ class Model:
         self.buffers = buffers.carve(ops.blob(buffers.blob_size(self.buffer_regions)),
                                     self.buffer_regions)
 
-    def _fill_weights(self, tensors: dict[str, np.ndarray]) -> None:
+    def _sources(self) -> dict[str, list[str]]:
         names = {"embed": ["model.embed_tokens.weight"], "final_norm": ["model.norm.weight"],
                  "lm_head": ["lm_head.weight"]}
         for i in range(self.cfg.num_hidden_layers):
             names.update(_sources(self.cfg, i))
-        for name, view in self.weights.items():
-            rows = 0
-            for source in names[name]:  # stack the HF tensors row after row into the fused view
-                t = tensors[source]
-                view[rows:rows + t.shape[0]] = self.ops.upload_weight(t)
-                rows += t.shape[0]
+        return names
+
+    def _fill_weights(self, tensors: dict[str, np.ndarray]) -> None:
+        for name, hf_names in self._sources().items():
+            if name in self.weights:  # stack the HF tensors row after row into the fused view
+                rows = 0
+                for hf in hf_names:
+                    self.weights[name][rows:rows + tensors[hf].shape[0]] = self.ops.upload_weight(tensors[hf])
+                    rows += tensors[hf].shape[0]
+
+    def hf_views(self) -> dict:
+        """The HF-named tensors as row slices of the fused weights: no copy (the reference model reads these)."""
+        views, shapes = {}, expected_tensor_shapes(self.cfg)
+        for name, hf_names in self._sources().items():
+            if name in self.weights:
+                rows = 0
+                for hf in hf_names:
+                    n = shapes[hf][0]
+                    views[hf] = self.weights[name][rows:rows + n]
+                    rows += n
+        return views

@@ -77,23 +77,18 @@ def rope(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarra
                                                         np.int32(head_dim), np.int32(qkv.strides[0] // 2)))
 
 
-def attention_smem_bytes(head_dim: int) -> int:
-    """Q, K, V tiles (64 x d bf16) + per-warp scores and output (fp32) and probabilities (bf16), rows padded."""
-    return 3 * 64 * (head_dim + 8) * 2 + 4 * 16 * ((64 + 4) + (head_dim + 4)) * 4 + 4 * 16 * (64 + 8) * 2
-
-
 def prefill_attention(qkv: cp.ndarray, out: cp.ndarray, num_heads: int, num_kv_heads: int,
                       head_dim: int) -> None:
-    assert head_dim % 16 == 0 and qkv.strides[0] % 16 == 0, "tensor-core tiles need head_dim % 16 == 0"
+    assert head_dim in (16, 32, 64, 128), "the attention kernel is built for head_dim 16, 32, 64 or 128"
+    assert qkv.strides[0] % 16 == 0, "rows must start on 16-byte boundaries (vector loads)"
     _rows_ok(qkv, out)
     T = qkv.shape[0]
-    k = kernel("prefill_attention", "prefill_attention")
-    smem = attention_smem_bytes(head_dim)
+    k = kernel("prefill_attention", f"prefill_attention_d{head_dim}")
+    smem = 3 * 64 * (head_dim + 8) * 2  # the Q, K and V tiles, rows padded by 8
     k.max_dynamic_shared_size_bytes = smem
     k(((T + 63) // 64, num_heads), (128,),
-      (qkv, out, np.int32(T), np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
-       np.int32(qkv.strides[0] // 2), np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)),
-      shared_mem=smem)
+      (qkv, out, np.int32(T), np.int32(num_heads), np.int32(num_kv_heads), np.int32(qkv.strides[0] // 2),
+       np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)), shared_mem=smem)
 
 
 def swiglu(gate_up: cp.ndarray, act: cp.ndarray) -> None:

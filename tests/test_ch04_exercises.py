@@ -1,0 +1,144 @@
+"""Chapter 4 graders: cublasGemmEx's parameters for row-major Y = X W^T, checked on the column-major emulator.
+
+The parameters under test are plugged into `gemm_colmajor` (cublasGemmEx's contract on flat NumPy
+buffers; tests/test_gpu_gemm.py checks that it lays out C exactly as cuBLAS does) with W's buffer as A,
+X's as B and a NaN-filled C. The reference is NumPy's x @ w.T on fresh random matrices; NumPy's own
+Fortran-order arrays grade the index formula.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinyvllm.gemm import gemm_colmajor
+from tinyvllm.models import PRESETS
+
+pytestmark = pytest.mark.ch4
+
+
+def layer_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """{name: (N, K)} of every GEMM of one layer with fused QKV and gate/up, plus the lm_head."""
+    c = PRESETS[preset]
+    h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    return {"qkv": (q + 2 * kv, h), "o_proj": (h, q), "gate_up": (2 * i, h), "down": (h, i),
+            "lm_head": (c.vocab_size, h)}
+
+
+SHAPES = [(preset, name, n, k) for preset in ("smollm2-135m", "llama-3.2-1b")
+          for name, (n, k) in layer_shapes(preset).items()
+          if (preset, name) != ("llama-3.2-1b", "lm_head")]  # 1 GB of float32: the other shapes cover it
+
+
+def random_pair(rng: np.random.Generator, T: int, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    return rng.standard_normal((T, K), dtype=np.float32), rng.standard_normal((N, K), dtype=np.float32)
+
+
+def run(p: dict, x: np.ndarray, w: np.ndarray, C: np.ndarray) -> None:
+    """cublasGemmEx(handle, transa, transb, m, n, k, 1, W, lda, X, ldb, 0, C, ldc), emulated."""
+    assert set(p) == {"transa", "transb", "m", "n", "k", "lda", "ldb", "ldc"}, f"keys: {sorted(p)}"
+    gemm_colmajor(p["transa"], p["transb"], p["m"], p["n"], p["k"], 1.0, w.reshape(-1), p["lda"],
+                  x.reshape(-1), p["ldb"], 0.0, C, p["ldc"])
+
+
+def assert_close(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert not np.isnan(got).any(), "some elements of Y were never written (still NaN)"
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(x.shape[1]))
+
+
+# ---- Exercise 4.1: gemm_params ------------------------------------------------------------
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("preset, name, N, K", SHAPES, ids=[f"{p}-{n}" for p, n, _, _ in SHAPES])
+def test_gemm_params_for_every_layer_gemm(impl, preset, name, N, K, T):
+    x, w = random_pair(np.random.default_rng(), T, N, K)
+    C = np.full(T * N, np.nan, np.float32)  # row-major Y (T, N), flat
+    run(impl("gemm_params")(T, N, K), x, w, C)
+    assert_close(C.reshape(T, N), x, w)
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_gemm_params_on_random_odd_shapes(impl, trial):
+    rng = np.random.default_rng()
+    T, N, K = (int(v) for v in rng.integers(1, 80, size=3) | 1)  # odd: no size hides a mistake
+    x, w = random_pair(rng, T, N, K)
+    C = np.full(T * N, np.nan, np.float32)
+    run(impl("gemm_params")(T, N, K), x, w, C)
+    assert_close(C.reshape(T, N), x, w)
+
+
+def test_gemm_params_are_not_the_naive_call(impl):
+    """T != N: asking for Y itself (m=T, n=N) would fail this, leaving Y^T's bytes in the buffer."""
+    T, N, K = 3, 5, 4
+    p = impl("gemm_params")(T, N, K)
+    assert (p["m"], p["n"], p["k"]) == (N, T, K), "C is Y^T: N rows, T columns, summed over K"
+    x, w = random_pair(np.random.default_rng(), T, N, K)
+    C = np.full(T * N, np.nan, np.float32)
+    run(p, x, w, C)
+    assert_close(C.reshape(T, N), x, w)
+
+
+# ---- Exercise 4.2: gemm_params_into_slice -------------------------------------------------
+
+def slice_run(p: dict, x: np.ndarray, w: np.ndarray, buffer: np.ndarray, first_column: int) -> None:
+    """C points at row 0, column first_column of the row-major buffer, as a pointer offset would."""
+    run(p, x, w, buffer.reshape(-1)[first_column:])
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_gemm_params_into_slice_writes_only_the_slice(impl, trial):
+    rng = np.random.default_rng()
+    T, N, K = (int(v) for v in rng.integers(1, 60, size=3))
+    before, after = (int(v) for v in rng.integers(0, 40, size=2))
+    buffer = np.full((T, before + N + after), np.nan, np.float32)
+    x, w = random_pair(rng, T, N, K)
+    slice_run(impl("gemm_params_into_slice")(T, N, K, buffer.shape[1]), x, w, buffer, before)
+    assert_close(buffer[:, before:before + N], x, w)
+    assert np.isnan(buffer[:, :before]).all() and np.isnan(buffer[:, before + N:]).all(), \
+        "the GEMM wrote outside its column slice"
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "llama-3.2-1b"])
+def test_gemm_params_into_slice_builds_fused_qkv(impl, preset):
+    """Three GEMMs with q_proj, k_proj and v_proj land side by side in one (T, q + 2 kv) buffer."""
+    c, T = PRESETS[preset], 7
+    rng = np.random.default_rng()
+    x = rng.standard_normal((T, c.hidden_size), dtype=np.float32)
+    ws = [rng.standard_normal((n, c.hidden_size), dtype=np.float32) for n in (c.q_size, c.kv_size, c.kv_size)]
+    qkv = np.full((T, c.q_size + 2 * c.kv_size), np.nan, np.float32)
+    for w, first in zip(ws, (0, c.q_size, c.q_size + c.kv_size)):
+        p = impl("gemm_params_into_slice")(T, w.shape[0], c.hidden_size, qkv.shape[1])
+        slice_run(p, x, w, qkv, first)
+    assert_close(qkv, x, np.concatenate(ws))
+
+
+def test_gemm_params_into_slice_of_the_whole_buffer(impl):
+    T, N, K = 9, 13, 11
+    x, w = random_pair(np.random.default_rng(), T, N, K)
+    C = np.full(T * N, np.nan, np.float32)
+    run(impl("gemm_params_into_slice")(T, N, K, N), x, w, C)  # a slice as wide as the rows: plain Y
+    assert_close(C.reshape(T, N), x, w)
+
+
+# ---- Exercise 4.3: colmajor_index ---------------------------------------------------------
+
+@pytest.mark.parametrize("trial", range(6))
+def test_colmajor_index_matches_fortran_order(impl, trial):
+    rng = np.random.default_rng()
+    rows, cols = (int(v) for v in rng.integers(1, 30, size=2))
+    ld = rows + int(rng.integers(0, 5))
+    storage = np.asfortranarray(rng.standard_normal((ld, cols)))  # NumPy's own column-major layout
+    flat, a = storage.ravel(order="K"), storage[:rows]  # a: rows x cols, columns ld apart in memory
+    assert np.shares_memory(flat, storage)
+    index = impl("colmajor_index")
+    for i in range(rows):
+        for j in range(cols):
+            assert flat[index(i, j, ld)] == a[i, j], f"element ({i}, {j}) with ld={ld}"
+
+
+def test_colmajor_index_of_a_row_major_matrix_is_its_transpose(impl):
+    """A row-major (r, c) matrix read column-major with ld = c is its transpose (c, r)."""
+    r, c = 3, 5
+    m = np.random.default_rng().standard_normal((r, c))
+    flat, index = m.reshape(-1), impl("colmajor_index")
+    assert all(flat[index(j, i, c)] == m[i, j] for i in range(r) for j in range(c))
