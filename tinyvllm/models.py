@@ -92,6 +92,7 @@ def default_model_dir() -> Path:
     gguf_path = default_gguf_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only; the model is meant to be shared like any cache
     try:
         convert_gguf(gguf_path, tmp)
         os.rename(tmp, final)
@@ -194,6 +195,7 @@ def synth_model(like: str, out_dir: str | Path, seed: int = 0, **overrides) -> P
         tensors[name] = ("BF16", float32_to_bf16_bits(w))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    tmp.chmod(0o755)
     try:
         write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
         _write_model_files(tmp, cfg, _synth_tokenizer_files(like))

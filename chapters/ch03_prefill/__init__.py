@@ -1,0 +1,1 @@
+"""Chapter 3, prefill: the whole prompt through every layer at once, on CUDA kernels or their NumPy twins."""
