@@ -41,6 +41,33 @@ def gemm_colmajor(transa: int, transb: int, m: int, n: int, k: int, alpha: float
     c[...] = alpha * (op_a.astype(np.float32) @ op_b.astype(np.float32)) + (beta * c if beta else 0)
 
 
+def gemm_params(T: int, N: int, K: int) -> dict[str, int]:
+    """cublasGemmEx's parameters for row-major Y (T, N) = X (T, K) @ W (N, K)^T.
+
+    The call passes W's buffer as A, X's as B and Y's as C (as gemm_cublas does). Returns
+    {"transa", "transb", "m", "n", "k", "lda", "ldb", "ldc"}: OP_N / OP_T for the two flags,
+    plain ints for the rest, with cuBLAS's column-major meaning (C is m x n, op(A) m x k, op(B) k x n).
+    """
+    return gemm_params_into_slice(T, N, K, row_stride=N)
+
+
+def gemm_params_into_slice(T: int, N: int, K: int, row_stride: int) -> dict[str, int]:
+    """gemm_params when Y (T, N) is a column slice of a row-major buffer whose rows are row_stride wide.
+
+    C points at the slice's first element (row 0, its first column); X and W are whole, contiguous
+    matrices. Same keys as gemm_params.
+    """
+    assert row_stride >= N, f"a row of {row_stride} elements cannot hold a slice {N} wide"
+    # cuBLAS sees row-major W as column-major W^T (K x N) and X as X^T (K x T): ask for
+    # C = (W^T)^T X^T = W X^T = Y^T (N x T); written column-major, its bytes ARE row-major Y.
+    return {"transa": OP_T, "transb": OP_N, "m": N, "n": T, "k": K, "lda": K, "ldb": K, "ldc": row_stride}
+
+
+def colmajor_index(i: int, j: int, ld: int) -> int:
+    """Where element (i, j) of a column-major matrix with leading dimension ld sits in its flat buffer."""
+    return i + j * ld  # columns are contiguous; the next column starts ld elements further on
+
+
 def gemm_numpy(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
     """out (T, N) = x (T, K) @ w (N, K)^T, row-major, float32: the twin of gemm_cublas."""
     np.matmul(x, w.T, out=out)
@@ -70,22 +97,24 @@ def _libcublas() -> ctypes.CDLL:
 def gemm_cublas(x, w, out) -> None:
     """out (T, N) = x (T, K) @ w (N, K)^T on the GPU: bf16 in, fp32 accumulate, bf16 or fp32 out.
 
-    x and out may be row slices or column slices of larger row-major buffers: their row strides
-    become ldb and ldc, which is how Q, K and V land side by side in one buffer.
+    x and w are whole, contiguous matrices (x may be a row slice of a buffer: its rows are whole).
+    out may be a column slice of a wider row-major buffer: its row stride becomes ldc, which is how
+    Q, K and V can land side by side in one buffer.
     """
     import cupy as cp
 
     (T, K), (N, K2) = x.shape, w.shape
     assert K == K2 and out.shape == (T, N), f"gemm shapes {x.shape} x {w.shape}^T -> {out.shape}"
-    assert x.strides[1] == w.strides[1] == 2 and out.strides[1] == out.itemsize, "rows must be contiguous"
+    assert x.strides == w.strides == (2 * K, 2), "x and w must be contiguous bf16 matrices (whole rows)"
+    assert out.strides[1] == out.itemsize, "out's rows must be contiguous"
+    p = gemm_params_into_slice(T, N, K, row_stride=out.strides[0] // out.itemsize)
     lib, handle = _libcublas(), cp.cuda.device.get_cublas_handle()
     _check(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
     out_type = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
-    status = lib.cublasGemmEx(handle, OP_T, OP_N, N, T, K, ctypes.byref(alpha),
-                              w.data.ptr, CUDA_R_16BF, w.strides[0] // 2,
-                              x.data.ptr, CUDA_R_16BF, x.strides[0] // 2, ctypes.byref(beta),
-                              out.data.ptr, out_type, out.strides[0] // out.itemsize,
+    status = lib.cublasGemmEx(handle, p["transa"], p["transb"], p["m"], p["n"], p["k"], ctypes.byref(alpha),
+                              w.data.ptr, CUDA_R_16BF, p["lda"], x.data.ptr, CUDA_R_16BF, p["ldb"],
+                              ctypes.byref(beta), out.data.ptr, out_type, p["ldc"],
                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     _check(status, f"cublasGemmEx(m={N}, n={T}, k={K})")
 

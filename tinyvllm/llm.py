@@ -7,6 +7,10 @@
     print(out[0].text)
 
 `generate` takes raw text (no chat template), `chat` applies the model's template, as in vLLM.
+
+The prompt goes through the engine's prefill (chapter 3) on either device. The next tokens: on the
+CPU, the reference model's KV-cache decode, seeded with the K/V the prefill computed; on the GPU,
+until chapter 5 builds decode, prefill runs again over the whole sequence for each new token.
 """
 from __future__ import annotations
 
@@ -16,13 +20,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tinyvllm.backend import resolve_device
 from tinyvllm.config import load_config
 from tinyvllm.errors import TinyVLLMError
+from tinyvllm.model import Model
 from tinyvllm.models import resolve_model
+from tinyvllm.prefill import prefill
 from tinyvllm.reference import ReferenceModel
 from tinyvllm.sampling import SamplingParams, sample
 from tinyvllm.tokenizer import IncrementalDecoder, load_tokenizer
-from tinyvllm.weights import load_weights
+
+# Tokens the prefill buffers hold (float32 on the CPU: ~32 KB per token for SmolLM2; bf16 on the GPU).
+MAX_PREFILL_TOKENS = {"cpu": 4096, "cuda": 8192}
 
 
 @dataclass
@@ -48,23 +57,19 @@ class RequestOutput:
         return self.outputs[0].token_ids
 
 
-def resolve_device(device: str) -> str:
-    if device not in ("auto", "cpu", "cuda"):
-        raise TinyVLLMError(f"--device must be auto, cpu or cuda, got {device!r}")
-    if device == "cuda":
-        raise TinyVLLMError("the CUDA backend is built in chapter 3 and not available yet; use --device cpu")
-    return "cpu"
-
-
 class LLM:
     def __init__(self, model: str = "default", device: str = "auto", max_model_len: int | None = None):
         self.device = resolve_device(device)
         self.model_dir = resolve_model(model)
-        self.config = load_config(self.model_dir)
+        load_config(self.model_dir)  # a bad config.json is reported before anything else is read
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
-        self.model = ReferenceModel(self.config, load_weights(self.model_dir, self.config).views)
+        self.engine = Model(self.model_dir, self.device, max_model_len=max_model_len,
+                            max_tokens=MAX_PREFILL_TOKENS[self.device])
+        self.config, self.max_model_len = self.engine.cfg, self.engine.max_model_len
+        if self.device == "cuda":  # until chapter 5, the whole sequence goes through prefill
+            self.max_model_len = min(self.max_model_len, self.engine.max_tokens)
+        # CPU decode: the reference model reading the engine's float32 weights (views, not a second copy)
+        self.model = ReferenceModel(self.config, self.engine.hf_views()) if self.device == "cpu" else None
         self.stop_token_ids = sorted(set(self.tokenizer.stop_token_ids) | set(self.config.eos_token_ids))
 
     def generate(self, prompts: str | list[str] | list[list[int]],
@@ -106,12 +111,11 @@ class LLM:
         hold = max((len(s) for s in params.stop), default=1) - 1
 
         start = time.perf_counter()
-        cache = self.model.new_cache(len(prompt_ids) + max_tokens)
-        logits = self.model.forward(prompt_ids, cache, all_logits=False)
+        logits, next_logits = self._prefill(prompt_ids, max_tokens)
         timings["prefill_s"] = time.perf_counter() - start
         stopped_by_string = False
         while True:
-            token = sample(logits, params, rng)
+            token = self._sample(logits, params, rng)
             completion.token_ids.append(token)
             if token in stop_ids:
                 completion.finish_reason = "stop"
@@ -129,7 +133,7 @@ class LLM:
             if len(completion.token_ids) >= max_tokens:
                 completion.finish_reason = "length"
                 break
-            logits = self.model.forward([token], cache, all_logits=False)
+            logits = next_logits(token)
         if not stopped_by_string:
             held += decoder.flush()
         completion.text += held
@@ -140,12 +144,39 @@ class LLM:
         timings["decode_s"] = timings["total_s"] - timings["prefill_s"]
         timings["decode_tokens_per_s"] = steps / timings["decode_s"] if steps else 0.0
 
+    def _prefill(self, prompt_ids: list[int], max_tokens: int):
+        """The prompt's last logits, and a function that turns the next token into the next logits."""
+        logits, kv = prefill(self.engine, prompt_ids)
+        if self.model is None:  # GPU before chapter 5: recompute the whole sequence for each token
+            ids = list(prompt_ids)
+
+            def next_logits(token: int):
+                ids.append(token)
+                return prefill(self.engine, ids)[0]
+            return logits, next_logits
+        cache = self.model.new_cache(len(prompt_ids) + max_tokens)
+        for layer, (k, v) in enumerate(kv):  # the cache starts with the K/V the prefill computed
+            cache.k[layer, :len(prompt_ids)], cache.v[layer, :len(prompt_ids)] = k, v
+        cache.length = len(prompt_ids)
+        return logits, lambda token: self.model.forward([token], cache, all_logits=False)
+
+    def _sample(self, logits, params: SamplingParams, rng: np.random.Generator) -> int:
+        if self.device == "cuda" and params.temperature == 0:  # argmax on the GPU: one int crosses over
+            ops = self.engine.ops
+            out = ops.xp.empty(1, dtype=np.int32)
+            ops.argmax(logits[None], out)
+            return int(out[0])
+        return sample(self.engine.ops.to_host(logits), params, rng)
+
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise TinyVLLMError("the prompt is empty; give at least one token")
         if len(ids) >= self.max_model_len:
             raise TinyVLLMError(f"the prompt has {len(ids)} tokens but the context window is "
                                 f"{self.max_model_len}; shorten the prompt")
+        if len(ids) > self.engine.max_tokens:
+            raise TinyVLLMError(f"the prompt has {len(ids)} tokens; prefill on the {self.device} takes at most "
+                                f"{self.engine.max_tokens}; shorten the prompt")
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
         if bad:
             raise TinyVLLMError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")

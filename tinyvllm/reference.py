@@ -68,15 +68,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int) -> np
     T, H, d = q.shape
     S, kv_heads, _ = k.shape
     group = H // kv_heads
-    # One matmul per K/V head, its G query heads x T tokens as the rows: with T = 1 (decode) that is
-    # 3 small matrix products for SmolLM2 instead of 9 vector-matrix ones, each a separate BLAS call.
-    qg = q.reshape(T, kv_heads, group, d).transpose(1, 2, 0, 3).reshape(kv_heads, group * T, d)
-    scores = (qg @ k.transpose(1, 2, 0)) * F32(1.0 / np.sqrt(d))   # (KVH, G*T, S)
-    scores = scores.reshape(kv_heads, group, T, S)
+    qg = q.reshape(T, kv_heads, group, d).transpose(1, 2, 0, 3)     # (KVH, G, T, d)
+    kt = k.transpose(1, 2, 0)[:, None]                               # (KVH, 1, d, S)
+    scores = (qg @ kt) * F32(1.0 / np.sqrt(d))                       # (KVH, G, T, S)
     future = np.arange(S)[None, :] > (start_pos + np.arange(T))[:, None]  # key after query: masked
     scores = np.where(future, F32(-np.inf), scores)
-    out = softmax(scores).reshape(kv_heads, group * T, S) @ v.transpose(1, 0, 2)  # (KVH, G*T, d)
-    return out.reshape(kv_heads, group, T, d).transpose(2, 0, 1, 3).reshape(T, H * d)
+    out = softmax(scores) @ v.transpose(1, 0, 2)[:, None]            # (KVH, G, T, d)
+    return out.transpose(2, 0, 1, 3).reshape(T, H * d)
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -31,16 +31,17 @@ def online_softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_
 
     But the (T, S) score matrix never exists whole. Walk the keys in tiles of `block` (the last tile
     may be shorter) and keep, for every (head, query), three running values:
-      m  the largest score seen so far (start at -inf),
-      l  the sum of exp(score - m) over the keys seen so far (start at 0),
-      o  the sum of exp(score - m) * v over the same keys, a (d,) vector (start at 0).
+      m      the largest score seen so far (start at -inf),
+      denom  the sum of exp(score - m) over the keys seen so far (start at 0),
+      o      the sum of exp(score - m) * v over the same keys, a (d,) vector (start at 0).
     For each tile: compute its scores (future keys masked to -inf), m_new = max(m, the tile's max),
-    rescale the old l and o by alpha = exp(m - m_new) (they were summed against the old max), then add
-    the tile's exp(score - m_new) and exp(score - m_new) @ v. At the end, out = o / l.
+    rescale the old denom and o by alpha = exp(m - m_new) (they were summed against the old max), then add
+    the tile's exp(score - m_new) and exp(score - m_new) @ v. At the end, out = o / denom.
 
     Two details the kernel cares about, and the graders check:
-      - a row that has seen no visible key yet has m_new = -inf, and exp(-inf - -inf) is NaN: for such
-        a row, subtract 0 instead of m_new, so its exponentials are exp(-inf) = 0, not NaN;
+      - a tile can hold no visible key for some rows (queries before the tile's first key): such a
+        row's max over the tile is -inf, and exp(-inf - -inf) is NaN. Subtract the running max m_new,
+        never the tile's own max: m_new is finite from the first tile on, since every query sees key 0;
       - keys at positions >= start_pos + T are in every query's future: never read them (the kernel
         skips those tiles; the graders fill them with NaN).
     Vectorize over heads and queries; the only Python loop is the one over key tiles.

@@ -14,9 +14,9 @@ from __future__ import annotations
 from tinyvllm.gemm import OP_N, OP_T  # noqa: F401  (the two values transa and transb can take)
 
 REFERENCE = {
-    "gemm_params": "chapters.ch04_cublas._engine_params:gemm_params",
-    "gemm_params_into_slice": "chapters.ch04_cublas._engine_params:gemm_params_into_slice",
-    "colmajor_index": "chapters.ch04_cublas._engine_params:colmajor_index",
+    "gemm_params": "tinyvllm.gemm:gemm_params",
+    "gemm_params_into_slice": "tinyvllm.gemm:gemm_params_into_slice",
+    "colmajor_index": "tinyvllm.gemm:colmajor_index",
 }
 
 
