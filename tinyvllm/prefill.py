@@ -17,9 +17,12 @@ from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model import Model
 
 
-def prefill(model: Model, token_ids, all_logits: bool = False):
+def prefill(model: Model, token_ids, all_logits: bool = False, on_layer=None):
     """Run a prompt; returns (logits, kv): logits (vocab,) fp32 for the last position — (T, vocab) with
-    all_logits — on the model's device, and per layer the (k, v) it computed, each (T, kv_heads, head_dim)."""
+    all_logits — on the model's device, and per layer the (k, v) it computed, each (T, kv_heads, head_dim).
+
+    on_layer(residual, delta), if given, is called after each layer; the stream is then residual + delta
+    (the add is deferred to the next norm)."""
     cfg, ops, T = model.cfg, model.ops, len(token_ids)
     if not 0 < T <= model.max_tokens:
         raise TinyVLLMError(f"the prompt has {T} tokens; this engine's prefill takes 1 to {model.max_tokens}")
@@ -45,6 +48,8 @@ def prefill(model: Model, token_ids, all_logits: bool = False):
         ops.swiglu(b["gate_up"], b["mlp_act"])
         ops.gemm(b["mlp_act"], layer.down, delta)
         pending = delta
+        if on_layer is not None:
+            on_layer(residual, delta)
 
     rows = slice(0, T) if all_logits else slice(T - 1, T)
     ops.add_rms_norm(residual[rows], delta[rows], model.final_norm, normed[rows], eps)

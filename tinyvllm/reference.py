@@ -77,6 +77,35 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int) -> np
     return out.transpose(2, 0, 1, 3).reshape(T, H * d)
 
 
+def online_softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int,
+                             block: int) -> np.ndarray:
+    """attention(), computed as the prefill kernel does: keys in tiles of `block`, a running max and sum.
+
+    The (T, S) scores never exist whole: per (head, query), the running max m, the sum denom of exp(score - m)
+    and the output o are rescaled by exp(m_old - m_new) whenever a tile raises the max. Same result.
+    """
+    T, H, d = q.shape
+    kv_heads = k.shape[1]
+    group = H // kv_heads
+    qg = q.reshape(T, kv_heads, group, d).transpose(1, 2, 0, 3)    # (KVH, G, T, d)
+    m = np.full((kv_heads, group, T, 1), -np.inf, F32)
+    denom = np.zeros((kv_heads, group, T, 1), F32)
+    o = np.zeros((kv_heads, group, T, d), F32)
+    last = min(k.shape[0], start_pos + T)                            # later keys: every query's future
+    for k0 in range(0, last, block):
+        keys = np.arange(k0, min(k0 + block, last))
+        s = (qg @ k[keys].transpose(1, 2, 0)[:, None]) * F32(1.0 / np.sqrt(d))   # (KVH, G, T, tile)
+        s = np.where(keys[None, :] > (start_pos + np.arange(T))[:, None], F32(-np.inf), s)
+        # the running max, never the tile's own: a row whose keys in this tile are all in its future has a
+        # tile max of -inf, and exp(-inf - -inf) is NaN. m_new is finite: every query sees key 0 (tile 0).
+        m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+        p, alpha = np.exp(s - m_new), np.exp(m - m_new)
+        denom = denom * alpha + p.sum(axis=-1, keepdims=True)
+        o = o * alpha + p @ v[keys].transpose(1, 0, 2)[:, None]
+        m = m_new
+    return (o / denom).transpose(2, 0, 1, 3).reshape(T, H * d)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (F32(1) + np.exp(-x))
 
@@ -87,17 +116,19 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 def stack_rows(mats: list[np.ndarray]) -> np.ndarray:
-    """(out_1 + out_2 + ..., in): weights that share an input, one under the other.
+    """Matrices that read the same input, one under the other: (out_1 + out_2 + ..., in).
 
-    The weight blob stores q, k, v (and gate, up) back to back, so the stack is usually a free view of
-    that memory; a copy otherwise.
+    A decode step is one vector times each matrix: one BLAS call over the stack replaces one call (and
+    one wake-up of BLAS's threads) per matrix. The weight blob already holds q, k, v (and gate, up) back
+    to back, so the stack is then a view of that memory; anything else is copied.
     """
+    back_to_back = all(m.flags.c_contiguous for m in mats) and all(
+        a.dtype == b.dtype and a.shape[1:] == b.shape[1:] and a.ctypes.data + a.nbytes == b.ctypes.data
+        for a, b in zip(mats, mats[1:]))
+    if not back_to_back:
+        return np.concatenate(mats)
     first, rows = mats[0], sum(m.shape[0] for m in mats)
-    adjacent = all(m.flags.c_contiguous and m.dtype == first.dtype and m.shape[1:] == first.shape[1:]
-                   for m in mats) and all(a.ctypes.data + a.nbytes == b.ctypes.data for a, b in zip(mats, mats[1:]))
-    if adjacent:
-        return np.lib.stride_tricks.as_strided(first, (rows, *first.shape[1:]), first.strides, writeable=False)
-    return np.concatenate(mats)
+    return np.lib.stride_tricks.as_strided(first, (rows, *first.shape[1:]), first.strides, writeable=False)
 
 
 class KVCache:
@@ -116,12 +147,13 @@ class ReferenceModel:
         self.cfg, self.w = cfg, weights
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # tied if absent
         self.inv_freq = rope_inv_freq(cfg)
-        # Speed, not math: matrices that read the same input are stacked, so one matmul streams them all
+        # Prepare step, for speed only: one (q + 2 kv, hidden) and one (2 ffn, hidden) matrix per layer,
+        # so each layer runs 4 matmuls instead of 7; self.w keeps the HF names and tensors.
         layer = "model.layers.{}.".format
         self.qkv = [stack_rows([weights[layer(i) + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-                    for i in range(cfg.num_hidden_layers)]                       # (q + 2 kv, hidden)
+                    for i in range(cfg.num_hidden_layers)]
         self.gate_up = [stack_rows([weights[layer(i) + f"mlp.{n}_proj.weight"] for n in ("gate", "up")])
-                        for i in range(cfg.num_hidden_layers)]                   # (2 ffn, hidden)
+                        for i in range(cfg.num_hidden_layers)]
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, max_len or self.cfg.max_position_embeddings)
@@ -137,15 +169,18 @@ class ReferenceModel:
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             h = rms_norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q, k, v = np.split(h @ self.qkv[i].T, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-            q, k, v = (a.reshape(T, -1, cfg.head_dim) for a in (q, k, v))
+            qkv = h @ self.qkv[i].T  # (T, q + 2 kv): Q, K and V side by side
+            q = qkv[:, :cfg.q_size].reshape(T, -1, cfg.head_dim)
+            k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(T, -1, cfg.head_dim)
+            v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(T, -1, cfg.head_dim)
             cache.k[i, positions] = apply_rope(k, cos, sin)
             cache.v[i, positions] = v
             q = apply_rope(q, cos, sin)
             attn = attention(q, cache.k[i, :start + T], cache.v[i, :start + T], start)
             x = x + attn @ self.w[p + "self_attn.o_proj.weight"].T
             h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            gate, up = np.split(h @ self.gate_up[i].T, 2, axis=-1)
+            gate_up = h @ self.gate_up[i].T  # (T, 2 ffn): gate, then up
+            gate, up = gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:]
             x = x + swiglu(gate, up) @ self.w[p + "mlp.down_proj.weight"].T
         cache.length = start + T
         if not all_logits:
