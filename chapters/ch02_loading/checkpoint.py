@@ -14,7 +14,7 @@ import numpy as np
 from tinyvllm import bf16, buffers, safetensors_format, weights
 from tinyvllm.config import load_config
 from tinyvllm.info import bytes_by_kind
-from tinyvllm.models import default_model_dir
+from tinyvllm.models import resolve_model
 
 MAX_TOKENS = 512  # the largest step the buffer plan is sized for (as `python -m tinyvllm info`)
 
@@ -156,7 +156,7 @@ def print_plan(model_dir: Path) -> None:
 
 
 def main() -> bool:
-    model_dir = default_model_dir()
+    model_dir = resolve_model("default")
     path = model_dir / "model.safetensors"
     show_header(path)
     v = Verdicts()

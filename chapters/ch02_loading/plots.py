@@ -9,7 +9,7 @@ from matplotlib.patches import Patch, Rectangle
 from tinyvllm.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from tinyvllm.buffers import Region, blob_size, plan_buffers
 from tinyvllm.config import load_config
-from tinyvllm.models import PRESETS, default_model_dir
+from tinyvllm.models import PRESETS, resolve_model
 from tinyvllm.safetensors_format import SafetensorsFile
 from tinyvllm.weights import plan_weights, weight_kind
 
@@ -19,7 +19,7 @@ MAX_TOKENS = 512  # the step size `python -m tinyvllm info` plans for
 
 
 def default_file() -> SafetensorsFile:
-    return SafetensorsFile(default_model_dir() / "model.safetensors")
+    return SafetensorsFile(resolve_model("default") / "model.safetensors")
 
 
 def _bars(ax, spans: list[tuple[str, int, int]], y: float, scale: float, edges: bool = False) -> None:

@@ -22,7 +22,7 @@ from tinyvllm.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from tinyvllm.config import LlamaConfig
 from tinyvllm.gemm import OP_N, OP_T, gemm_colmajor
 from tinyvllm.model import Model, plan_engine_weights
-from tinyvllm.models import default_model_dir
+from tinyvllm.models import resolve_model
 
 T = 17                   # tokens in the random activation: odd, and neither 1 (decode) nor a power of two
 FP32_TOLERANCE = 1e-5    # emulator vs NumPy: both float32, only the summation order differs
@@ -211,7 +211,7 @@ def timed_on_gpu(fn, out) -> tuple[np.ndarray, float]:
 
 
 def main() -> bool:
-    model_dir = default_model_dir()
+    model_dir = resolve_model("default")
     start = time.perf_counter()
     model = Model(model_dir, device="cpu", max_tokens=T)  # float32 fused weights, as the CPU engine runs
     cfg, layer = model.cfg, model.layers[0]
