@@ -1,0 +1,23 @@
+"""Numeric checks shared by the graders: relative error, and "float32, finite, right shape, close"."""
+import numpy as np
+
+F32 = np.float32
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def check(out, ref, shape, tol=1e-5):
+    """Same shape, float32 (NumPy 2 promotes silently), all finite, and close to the reference."""
+    assert isinstance(out, np.ndarray), f"expected a NumPy array, got {type(out).__name__}"
+    assert out.shape == tuple(shape), f"shape {out.shape}, expected {tuple(shape)}"
+    assert out.dtype == np.float32, f"dtype {out.dtype}, expected float32 (a float64 value leaked in?)"
+    assert np.all(np.isfinite(out)), "output has NaN or inf"
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.2e} vs the reference (tolerance {tol:.0e})"
+
+
+def randn(rng, *shape, scale=1.0):
+    return (scale * rng.standard_normal(shape)).astype(F32)
