@@ -2,11 +2,13 @@
 
     python bench/cpu_decode.py [--tokens 128] [--chunk 16]
 
-Both engines decode greedily for exactly --tokens steps (no stop on EOS) after the same chat prompt.
-Their decode loops run in alternating chunks of --chunk steps, so a neighbour that loads the CPU for a
-while slows both, not one; before each chunk the script sleeps --settle seconds, because the thread pool
-that just worked (OpenBLAS's, or torch's OpenMP one) keeps spinning a while and would slow the other. Decoding one token reads every weight once, so the floor per token is the
-weight bytes divided by the copy bandwidth measured here. Writes bench/results/cpu_decode-<date>.json.
+Both engines decode greedily for exactly --tokens steps (no stop on EOS) after the same chat prompt,
+in one process. Their decode loops take turns, --chunk steps at a time, so a neighbour that loads the
+CPU for a while slows both, not one. Before each turn the script sleeps --settle seconds: the thread
+pool that just worked (OpenBLAS's or torch's OpenMP one) spins on for a moment and would slow the other.
+Decoding one token reads every weight once, so the floor per token is the weight bytes divided by the
+copy bandwidth measured in the same run. Also records the peak memory of `python -m tinyvllm generate`.
+Writes bench/results/cpu_decode-<date>-<time>.json; asserts nothing.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -34,6 +37,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from tinyvllm.llm import LLM  # noqa: E402
 
 PROMPT = "What is the capital of France?"
+TARGETS = {"ratio_max": 0.7, "peak_rss_mb_max": 1500}  # decode ms/token vs transformers; CLI memory
 
 
 def machine() -> dict:
@@ -47,11 +51,19 @@ def machine() -> dict:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "numpy_blas": f"{blas['name']} {blas.get('version', '')}".strip(),
-        "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "numpy_threads": os.environ.get("OPENBLAS_NUM_THREADS") or "default (one per core)",
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "load_average_at_start": os.getloadavg(),
+        "load_average_at_start": os.getloadavg(),  # other processes share the cores: read the numbers with it
     }
+
+
+def source_version() -> dict:
+    """The commit measured, and whether tinyvllm/ had uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "tinyvllm_modified": bool(git("status", "--porcelain", "tinyvllm"))}
 
 
 def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -77,17 +89,18 @@ def decode_weight_bytes(llm: LLM) -> int:
 
 
 class Tinyvllm:
+    """What LLM.stream runs on the CPU: the engine's prefill, then the reference model's cached decode."""
     name = "tinyvllm"
 
     def __init__(self, llm: LLM, ids: list[int], steps: int):
-        self.model, self.ids, self.steps = llm.model, ids, steps
+        self.llm, self.ids, self.steps = llm, ids, steps
 
     def prefill(self) -> int:
-        self.cache = self.model.new_cache(len(self.ids) + self.steps + 1)
-        return int(np.argmax(self.model.forward(self.ids, self.cache, all_logits=False)))
+        logits, self.next_logits = self.llm._prefill(self.ids, self.steps + 1)  # a fresh KV cache each call
+        return int(np.argmax(logits))
 
     def step(self, token: int) -> int:
-        return int(np.argmax(self.model.forward([token], self.cache, all_logits=False)))
+        return int(np.argmax(self.next_logits(token)))
 
 
 class Transformers:
@@ -100,7 +113,8 @@ class Transformers:
 
     def prefill(self) -> int:
         self.cache = DynamicCache()
-        out = self.model(self.ids, **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=1)  # last position only, like ours
+        # logits_to_keep=1: the last position's logits only, as tinyvllm's prefill computes
+        out = self.model(self.ids, **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=1)
         return int(out.logits[0, -1].argmax())
 
     def step(self, token: int) -> int:
@@ -143,66 +157,85 @@ def peak_rss_of_generate(model: str) -> dict:
             "peak_rss_mb": round(peak_kib / 1024, 1)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="'default' or a HF-layout Llama directory")
-    ap.add_argument("--tokens", type=int, default=128, help="decode steps timed per engine")
-    ap.add_argument("--chunk", type=int, default=16, help="steps per engine before switching to the other")
-    ap.add_argument("--warmup", type=int, default=8, help="decode steps run first and not timed")
-    ap.add_argument("--settle", type=float, default=0.3, help="seconds of sleep before each chunk")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    args = ap.parse_args()
-
+def measure(args) -> dict:
     rss = peak_rss_of_generate(args.model)  # first: the only child, so RUSAGE_CHILDREN is its own peak
-    report = {"machine": machine(), "peak_rss_generate": rss}
+    report = {"benchmark": "cpu_decode", "machine": machine(), "source": source_version(), "peak_rss_generate": rss}
     bandwidth = copy_bandwidth()
 
+    hf_logging.disable_progress_bar()
     llm = LLM(args.model, device="cpu")
     ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
     hf = LlamaForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     engines = [Tinyvllm(llm, ids, args.warmup + args.tokens), Transformers(hf, ids)]
     with torch.inference_mode():
         results = run_interleaved(engines, args.tokens, args.chunk, args.warmup, args.settle)
-
-    weight_bytes = decode_weight_bytes(llm)
-    floor_ms = 1e3 * weight_bytes / bandwidth
-    ours, theirs = results["tinyvllm"], results["transformers"]
-    same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
-    for r in results.values():
-        r["floor_over_median"] = round(floor_ms / r["decode_ms_per_token_median"], 3)
     report["machine"]["load_average_at_end"] = os.getloadavg()
+
+    cfg, weight_bytes = llm.config, decode_weight_bytes(llm)
+    floor_ms = 1e3 * weight_bytes / bandwidth
+    for r in results.values():
+        r["floor_over_median"] = round(floor_ms / r["decode_ms_per_token_median"], 3)  # 1.0 = at the limit
+    ours, theirs = results["tinyvllm"], results["transformers"]
+    ratio = ours["decode_ms_per_token_median"] / theirs["decode_ms_per_token_median"]
+    context = len(ids) + args.warmup + args.tokens
     report.update({
-        "workload": {"model": args.model, "model_dir": str(llm.model_dir),
-                     "prompt": PROMPT, "chat_template": True, "prompt_tokens": len(ids),
-                     "generated_tokens": args.tokens, "warmup_tokens": args.warmup, "chunk": args.chunk,
-                     "settle_s": args.settle,
+        "workload": {"model": args.model, "model_dir": str(llm.model_dir), "prompt": PROMPT,
+                     "chat_template": True, "prompt_tokens": len(ids), "generated_tokens": args.tokens,
+                     "warmup_tokens": args.warmup, "chunk": args.chunk, "settle_s": args.settle,
                      "greedy": True, "stop_on_eos": False, "dtype": "float32"},
-        "transformers_method": "manual greedy loop: model(token, cache=DynamicCache()), eager "
+        "tinyvllm_method": "LLM._prefill, as LLM.stream calls it: the engine's prefill, then per token "
+                           "ReferenceModel.forward([token], cache, all_logits=False); per-step wall time",
+        "transformers_method": "manual greedy loop: LlamaForCausalLM(token, cache=DynamicCache()), eager "
                                "attention, torch.inference_mode, float32; per-step wall time",
-        "tinyvllm_method": "ReferenceModel.forward([token], cache, all_logits=False), the call LLM.stream makes",
         "tinyvllm": ours, "transformers": theirs,
-        "ratio_tinyvllm_over_transformers": round(ours["decode_ms_per_token_median"]
-                                                  / theirs["decode_ms_per_token_median"], 3),
-        "greedy_tokens_identical": f"{same}/{len(ours['tokens'])}",
+        "ratio_tinyvllm_over_transformers": round(ratio, 3),
+        "greedy_tokens_identical": f"{sum(a == b for a, b in zip(ours['tokens'], theirs['tokens']))}"
+                                   f"/{len(ours['tokens'])}",
         "memory_floor": {"weight_bytes_per_decode_step": weight_bytes,
+                         "kv_cache_bytes_read_at_last_step": 2 * cfg.num_hidden_layers * context * cfg.kv_size * 4,
                          "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
                          "floor_ms_per_token": round(floor_ms, 2)},
+        "targets": {**TARGETS, "ratio_met": ratio <= TARGETS["ratio_max"],
+                    "peak_rss_met": rss["peak_rss_mb"] < TARGETS["peak_rss_mb_max"]},
     })
+    return report
 
-    print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, load "
-          f"{report['machine']['load_average_at_start'][0]:.1f} -> {report['machine']['load_average_at_end'][0]:.1f}")
-    print(f"prompt {len(ids)} tokens, {args.tokens} decode steps (median / mean ms per token, prefill ms)")
-    for name, r in results.items():
-        print(f"  {name:13s} {r['decode_ms_per_token_median']:8.1f} {r['decode_ms_per_token_mean']:8.1f}"
-              f"   prefill {r['prefill_ms']:.1f}")
-    print(f"ratio tinyvllm / transformers: {report['ratio_tinyvllm_over_transformers']}")
-    print(f"floor: {weight_bytes / 1e6:.0f} MB of weights / {bandwidth / 1e9:.1f} GB/s copy = {floor_ms:.1f} ms/token")
-    print(f"greedy tokens identical: {report['greedy_tokens_identical']}")
-    print(f"peak RSS of `{rss['command']}`: {rss['peak_rss_mb']} MB")
+
+def summary(report: dict) -> str:
+    m, w, floor = report["machine"], report["workload"], report["memory_floor"]
+    lines = [f"machine: {m['cpu']}, {m['cores']} cores, load average "
+             f"{m['load_average_at_start'][0]:.1f} -> {m['load_average_at_end'][0]:.1f}",
+             f"prompt {w['prompt_tokens']} tokens, {w['generated_tokens']} decode steps timed",
+             "                 ms/token median   mean   prefill ms   floor/median"]
+    for name in ("tinyvllm", "transformers"):
+        r = report[name]
+        lines.append(f"  {name:13s} {r['decode_ms_per_token_median']:13.1f} {r['decode_ms_per_token_mean']:7.1f}"
+                     f" {r['prefill_ms']:11.1f} {r['floor_over_median']:12.2f}")
+    rss = report["peak_rss_generate"]
+    lines += [f"ratio tinyvllm / transformers: {report['ratio_tinyvllm_over_transformers']} "
+              f"(target <= {TARGETS['ratio_max']})",
+              f"floor: {floor['weight_bytes_per_decode_step'] / 1e6:.0f} MB of weights / "
+              f"{floor['copy_bandwidth_gb_s']:.1f} GB/s copy = {floor['floor_ms_per_token']:.1f} ms/token",
+              f"greedy tokens identical: {report['greedy_tokens_identical']}",
+              f"peak RSS of `{rss['command']}`: {rss['peak_rss_mb']} MB (target < {TARGETS['peak_rss_mb_max']})"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="'default' or a HF-layout Llama directory")
+    ap.add_argument("--tokens", type=int, default=128, help="decode steps timed per engine")
+    ap.add_argument("--chunk", type=int, default=16, help="steps per engine before switching to the other")
+    ap.add_argument("--warmup", type=int, default=8, help="decode steps run first and not timed")
+    ap.add_argument("--settle", type=float, default=0.3, help="seconds of sleep before each turn")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args()
+    report = measure(args)
+    print(summary(report))
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cpu_decode-{datetime.now():%Y-%m-%d-%H%M%S}.json"
+    path = args.out / f"cpu_decode-{datetime.now():%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
