@@ -14,7 +14,6 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-import gguf
 import jinja2
 import regex
 import tiktoken
@@ -313,6 +312,8 @@ _GGUF_PRE_TOKENIZERS = {
 @lru_cache(maxsize=2)
 def _gguf_metadata(path: Path, mtime_ns: int) -> dict:
     """A GGUF's metadata; cached by path and mtime, as its string arrays take seconds to parse."""
+    import gguf  # only GGUF files need it (the default model's conversion)
+
     return {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()}
 
 
