@@ -21,3 +21,14 @@ def check(out, ref, shape, tol=1e-5):
 
 def randn(rng, *shape, scale=1.0):
     return (scale * rng.standard_normal(shape)).astype(F32)
+
+
+def torch_attention(q, k, v, start_pos):
+    """torch SDPA with an explicit causal mask for queries at start_pos.. (its is_causal assumes start 0)."""
+    import torch
+    T, S = q.shape[0], k.shape[0]
+    allowed = torch.arange(S)[None, :] <= (start_pos + torch.arange(T))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        torch.from_numpy(q).transpose(0, 1)[None], torch.from_numpy(k).transpose(0, 1)[None],
+        torch.from_numpy(v).transpose(0, 1)[None], attn_mask=allowed, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(T, -1).numpy()  # (H, T, d) -> (T, H*d)

@@ -21,7 +21,7 @@ from tinyvllm.config import load_config  # noqa: E402
 from tinyvllm.models import PRESETS, synth_model  # noqa: E402
 from tinyvllm.weights import load_weights  # noqa: E402
 
-from tests.numeric import F32, check, randn, rel_err  # noqa: E402,F401
+from tests.numeric import F32, check, randn, rel_err, torch_attention  # noqa: E402,F401
 
 
 
@@ -149,16 +149,6 @@ def test_softmax_gives_masked_entries_zero(impl):
 
 
 # ---------- Exercise 1.5: causal GQA attention vs torch's scaled_dot_product_attention ----------
-
-def torch_attention(q, k, v, start_pos):
-    """torch SDPA with an explicit causal mask for queries at start_pos.. (its is_causal assumes start 0)."""
-    T, S = q.shape[0], k.shape[0]
-    allowed = torch.arange(S)[None, :] <= (start_pos + torch.arange(T))[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        torch.from_numpy(q).transpose(0, 1)[None], torch.from_numpy(k).transpose(0, 1)[None],
-        torch.from_numpy(v).transpose(0, 1)[None], attn_mask=allowed, enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(T, -1).numpy()  # (H, T, d) -> (T, H*d)
-
 
 @pytest.mark.ch1
 @pytest.mark.parametrize("T,S,start,H,KVH", [

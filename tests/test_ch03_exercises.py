@@ -18,22 +18,12 @@ from tinyvllm.backend import cuda_available
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parent.parent
-from tests.numeric import F32, check, randn, rel_err  # noqa: E402,F401
+from tests.numeric import F32, check, randn, rel_err, torch_attention  # noqa: E402,F401
 
 
 
 
 # ---------- Exercise 3.1: online-softmax attention vs torch's scaled_dot_product_attention ----------
-
-def torch_attention(q, k, v, start_pos):
-    """torch SDPA with an explicit causal mask for queries at start_pos.. (its is_causal assumes start 0)."""
-    T, S = q.shape[0], k.shape[0]
-    allowed = torch.arange(S)[None, :] <= (start_pos + torch.arange(T))[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        torch.from_numpy(q).transpose(0, 1)[None], torch.from_numpy(k).transpose(0, 1)[None],
-        torch.from_numpy(v).transpose(0, 1)[None], attn_mask=allowed, enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(T, -1).numpy()  # (H, T, d) -> (T, H*d)
-
 
 CASES = {  # T, S, start_pos, H, KVH, d
     "prefill-gqa3": (37, 37, 0, 9, 3, 64),     # the chapter's prompt with SmolLM2's heads
