@@ -157,7 +157,7 @@ def _spacings(x: np.ndarray):
 
 
 def _memory_rows():
-    smol = load_config(default_model_dir())
+    smol = load_config(resolve_model("default"))
     llama = PRESETS["llama-3.2-1b"]
     return [("SmolLM2-135M, CPU (f32)", plan_weights(smol, "f32"), plan_buffers(smol, MAX_TOKENS, 1, "f32")),
             ("SmolLM2-135M, GPU (bf16)", plan_weights(smol, "bf16"), plan_buffers(smol, MAX_TOKENS, 1, "bf16")),

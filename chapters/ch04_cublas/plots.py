@@ -10,7 +10,7 @@ from chapters.ch04_cublas.checkpoint import BUFFERS, layer_gemms
 from tinyvllm.bf16 import bf16_bits_to_float32
 from tinyvllm.config import load_config
 from tinyvllm.gemm import OP_N, OP_T
-from tinyvllm.models import PRESETS, default_model_dir
+from tinyvllm.models import PRESETS, resolve_model
 from tinyvllm.safetensors_format import SafetensorsFile
 
 ROW, COL = "#4C72B0", "#DD8452"  # row-major order in blue, column-major order in orange
@@ -23,7 +23,7 @@ GEMM_COLORS = {"qkv": "#DD8452", "o_proj": "#C44E52", "gate_up": "#55A868", "dow
 def small_matrix(rows: int = 3, cols: int = 4) -> tuple[int, np.ndarray]:
     """(first row, block): the first rows x cols block of a real weight, at the left edge, whose values all
     differ at three decimals (the quantized checkpoint repeats values; repeats would hide the order)."""
-    w = SafetensorsFile(default_model_dir() / "model.safetensors").get(WEIGHT)
+    w = SafetensorsFile(resolve_model("default") / "model.safetensors").get(WEIGHT)
     for r in range(w.shape[0] - rows):
         block = bf16_bits_to_float32(np.ascontiguousarray(w[r:r + rows, :cols]))
         if len(set(np.round(block, 3).ravel())) == block.size:
@@ -149,7 +149,8 @@ def _draw_flops_bar(ax, cfg) -> None:
 
 def draw_gemm_table() -> Figure:
     """The cublasGemmEx parameters of every GEMM of one layer, for the default model and Llama 3.2 1B."""
-    models = [(f"{default_model_dir().name} (default)", load_config(default_model_dir())),
+    default_dir = resolve_model("default")
+    models = [(f"{default_dir.name} (default)", load_config(default_dir)),
               ("Llama-3.2-1B", PRESETS["llama-3.2-1b"])]
     fig = Figure(figsize=(15, 6.2))
     axes = fig.subplots(4, 1, gridspec_kw={"height_ratios": [2.1, 0.4, 2.1, 0.4], "hspace": 0.55, "left": 0.01,
