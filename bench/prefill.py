@@ -11,43 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_common import bf16_gemm_rate, copy_bandwidth, machine, time_gpu, write_result  # noqa: E402
-
-
-class TimedOps:
-    """Wraps a backend module: every kernel/GEMM call is bracketed by CUDA events, summed per name."""
-
-    def __init__(self, ops):
-        self._ops, self.events = ops, defaultdict(list)
-
-    def __getattr__(self, name):
-        import cupy as cp
-        fn = getattr(self._ops, name)
-        if not callable(fn) or name in ("to_device", "to_host", "upload_weight"):
-            return fn
-
-        def timed(*args, **kwargs):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            fn(*args, **kwargs)
-            end.record()
-            self.events[name].append((start, end))
-        return timed
-
-    def table(self) -> dict[str, float]:
-        return {name: sum(cp_elapsed(s, e) for s, e in pairs) for name, pairs in self.events.items()}
-
-
-def cp_elapsed(start, end) -> float:
-    import cupy as cp
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / 1e3
 
 
 def flops(cfg, T: int) -> float:
@@ -79,6 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     from tinyvllm.model import Model
     from tinyvllm.models import synth_model
+    from tinyvllm.op_timer import timed_ops
     from tinyvllm.prefill import prefill
 
     model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
@@ -88,15 +58,13 @@ def main() -> None:
     for T in args.lengths:
         ids = rng.integers(0, model.cfg.vocab_size, T).tolist()
         seconds = time_gpu(lambda: prefill(model, ids), repeats=5)
-        timed = TimedOps(model.ops)
-        model.ops = timed
-        prefill(model, ids)
-        model.ops = timed._ops
-        kernels = timed.table()
+        with timed_ops(model) as timer:
+            prefill(model, ids)
+        kernels = timer.totals()
         achieved = flops(model.cfg, T) / seconds
         rows.append({"tokens": T, "seconds": seconds, "tokens_per_s": T / seconds, "tflops": achieved / 1e12,
                      "fraction_of_gemm_rate": achieved / peak_flops,
-                     "kernel_seconds": {k: round(v, 6) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])},
+                     "kernel_seconds": {k: round(v, 6) for k, v in kernels.items()},
                      "host_and_gaps_seconds": seconds - sum(kernels.values())})
         print(f"T={T:5d}: {seconds * 1e3:8.2f} ms  {T / seconds:10.0f} tok/s  {achieved / 1e12:6.1f} TFLOP/s "
               f"({achieved / peak_flops:.0%} of the measured bf16 GEMM rate)")

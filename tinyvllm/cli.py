@@ -1,4 +1,4 @@
-"""`python -m tinyvllm ...`: generate, info, model-path, synth.
+"""`python -m tinyvllm ...`: generate, chat, info, model-path, synth.
 
 A mistake by the user (a bad path, a corrupt file, a bad flag value) prints one line and exits with
 code 2; `--debug` shows the traceback instead.
@@ -41,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+    chat = sub.add_parser("chat", parents=[debug], help="talk with the model, one line per turn (/reset, /exit)")
+    chat.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF model directory")
+    chat.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    chat.add_argument("--system", default=None, help="a system prompt, kept for the whole conversation")
+    chat.add_argument("--max-tokens", type=_positive_int, default=512, help="longest reply, in tokens")
+    chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    chat.add_argument("--top-p", type=float, default=0.9)
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--seed", type=int, default=None)
 
     info = sub.add_parser("info", parents=[debug],
                           help="the model's config and memory map (weights and buffers)")
@@ -88,6 +98,16 @@ def cmd_generate(args) -> None:
               file=sys.stderr)
 
 
+def cmd_chat(args) -> None:
+    from tinyvllm.chat import run_chat
+    from tinyvllm.llm import LLM
+    from tinyvllm.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    run_chat(LLM(args.model, device=args.device), params, args.system, sys.stdin, sys.stdout, sys.stderr)
+
+
 def cmd_info(args) -> None:
     from tinyvllm.info import describe
     report, text = describe(args.model, args.device, args.max_tokens)
@@ -107,7 +127,8 @@ def cmd_synth(args) -> None:
     print(synth_model(args.like, args.out, seed=args.seed, **overrides))
 
 
-COMMANDS = {"generate": cmd_generate, "info": cmd_info, "model-path": cmd_model_path, "synth": cmd_synth}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "model-path": cmd_model_path,
+            "synth": cmd_synth}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,9 +8,8 @@
 
 `generate` takes raw text (no chat template), `chat` applies the model's template, as in vLLM.
 
-The prompt goes through the engine's prefill (chapter 3) on either device. The next tokens: on the
-CPU, the reference model's KV-cache decode, seeded with the K/V the prefill computed; on the GPU,
-until chapter 5 builds decode, prefill runs again over the whole sequence for each new token.
+The prompt goes through the engine's prefill (chapter 3), which fills a KV cache; each next token is
+one decode step (chapter 5) reading that cache. The same code runs on either device.
 """
 from __future__ import annotations
 
@@ -22,11 +21,12 @@ import numpy as np
 
 from tinyvllm.backend import resolve_device
 from tinyvllm.config import load_config
+from tinyvllm.decode import decode_step
 from tinyvllm.errors import TinyVLLMError
+from tinyvllm.kv_cache import ContiguousKVCache
 from tinyvllm.model import Model
 from tinyvllm.models import resolve_model
 from tinyvllm.prefill import prefill
-from tinyvllm.reference import ReferenceModel
 from tinyvllm.sampling import SamplingParams, sample
 from tinyvllm.tokenizer import IncrementalDecoder, load_tokenizer
 
@@ -66,10 +66,6 @@ class LLM:
         self.engine = Model(self.model_dir, self.device, max_model_len=max_model_len,
                             max_tokens=MAX_PREFILL_TOKENS[self.device])
         self.config, self.max_model_len = self.engine.cfg, self.engine.max_model_len
-        if self.device == "cuda":  # until chapter 5, the whole sequence goes through prefill
-            self.max_model_len = min(self.max_model_len, self.engine.max_tokens)
-        # CPU decode: the reference model reading the engine's float32 weights (views, not a second copy)
-        self.model = ReferenceModel(self.config, self.engine.hf_views()) if self.device == "cpu" else None
         self.stop_token_ids = sorted(set(self.tokenizer.stop_token_ids) | set(self.config.eos_token_ids))
 
     def generate(self, prompts: str | list[str] | list[list[int]],
@@ -115,7 +111,7 @@ class LLM:
         timings["prefill_s"] = time.perf_counter() - start
         stopped_by_string = False
         while True:
-            token = self._sample(logits, params, rng)
+            token = sample(logits, params, rng)  # on the logits' device: only the id crosses to the host
             completion.token_ids.append(token)
             if token in stop_ids:
                 completion.finish_reason = "stop"
@@ -146,27 +142,10 @@ class LLM:
 
     def _prefill(self, prompt_ids: list[int], max_tokens: int):
         """The prompt's last logits, and a function that turns the next token into the next logits."""
-        logits, kv = prefill(self.engine, prompt_ids)
-        if self.model is None:  # GPU before chapter 5: recompute the whole sequence for each token
-            ids = list(prompt_ids)
-
-            def next_logits(token: int):
-                ids.append(token)
-                return prefill(self.engine, ids)[0]
-            return logits, next_logits
-        cache = self.model.new_cache(len(prompt_ids) + max_tokens)
-        for layer, (k, v) in enumerate(kv):  # the cache starts with the K/V the prefill computed
-            cache.k[layer, :len(prompt_ids)], cache.v[layer, :len(prompt_ids)] = k, v
-        cache.length = len(prompt_ids)
-        return logits, lambda token: self.model.forward([token], cache, all_logits=False)
-
-    def _sample(self, logits, params: SamplingParams, rng: np.random.Generator) -> int:
-        if self.device == "cuda" and params.temperature == 0:  # argmax on the GPU: one int crosses over
-            ops = self.engine.ops
-            out = ops.xp.empty(1, dtype=np.int32)
-            ops.argmax(logits[None], out)
-            return int(out[0])
-        return sample(self.engine.ops.to_host(logits), params, rng)
+        # the cache holds exactly this request: its prompt and every token it may generate
+        cache = ContiguousKVCache(self.config, self.engine.ops, num_seqs=1, max_len=len(prompt_ids) + max_tokens)
+        logits, _ = prefill(self.engine, prompt_ids, cache=cache)
+        return logits, lambda token: decode_step(self.engine, [token], cache, [0])[0]
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:

@@ -1,8 +1,12 @@
 """Chapter 5: turning logits into the next token, with vLLM's SamplingParams.
 
 temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature, cut by top-k and
-min-p, then by top-p among the survivors (vLLM's order), renormalized and drawn from with the request's
-own seeded generator.
+min-p, then by top-p among the survivors (vLLM's order), renormalized and drawn from.
+
+It all runs where the logits are (NumPy or CuPy: the same code), so a GPU never copies a 128K-entry
+logits row to the host: only the chosen id comes back. The randomness is one uniform number per token
+from the request's own seeded generator on the host, turned into a token by inverting the kept
+tokens' cumulative distribution — so a seed gives the same tokens on every run.
 """
 from __future__ import annotations
 
@@ -42,22 +46,33 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from a (vocab,) logits vector."""
+def sample(logits, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token id from a (vocab,) logits vector, a NumPy or CuPy array."""
+    xp = array_module(logits)
     if params.temperature == 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / params.temperature  # float64: exp of large logits stays accurate
-    probs = np.exp(z - z.max())
+        return int(xp.argmax(logits))
+    z = logits.astype(xp.float64) / params.temperature  # float64: exp of large logits stays accurate
+    probs = xp.exp(z - z.max())
     probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")  # most likely first
+    order = xp.argsort(-probs, kind="stable") if xp is np else xp.argsort(-probs)  # most likely first
     sorted_probs = probs[order]
-    keep = np.ones_like(sorted_probs, dtype=bool)
+    keep = xp.ones(sorted_probs.shape, dtype=bool)
     if params.top_k > 0:
         keep[params.top_k:] = False
     if params.min_p > 0:
         keep &= sorted_probs >= params.min_p * sorted_probs[0]
     if params.top_p < 1:  # as vLLM: top-p measures mass among the tokens top-k and min-p kept
-        kept = np.where(keep, sorted_probs, 0.0) / sorted_probs[keep].sum()
-        keep &= (np.cumsum(kept) - kept) < params.top_p  # keep a token if the mass before it is below top_p
-    kept = np.where(keep, sorted_probs, 0.0)
-    return int(order[rng.choice(len(kept), p=kept / kept.sum())])
+        kept = xp.where(keep, sorted_probs, 0.0) / sorted_probs[keep].sum()
+        keep &= (xp.cumsum(kept) - kept) < params.top_p  # keep a token if the mass before it is below top_p
+    cdf = xp.cumsum(xp.where(keep, sorted_probs, 0.0))
+    u = rng.random() * float(cdf[-1])  # the one number that crosses from the host
+    i = min(int(xp.searchsorted(cdf, u, side="right")), int(keep.sum()) - 1)  # never a dropped token
+    return int(order[i])
+
+
+def array_module(a):
+    """numpy for NumPy arrays, cupy for CuPy arrays (without importing CuPy on the CPU)."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy

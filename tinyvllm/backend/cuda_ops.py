@@ -6,7 +6,6 @@ as __nv_bfloat16. Each kernel file is compiled once per process by NVRTC (cupy.R
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import cupy as cp
@@ -20,16 +19,13 @@ KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 ROWS = 256  # threads per block for the row-wise kernels
 
 
-def _toolkit_includes() -> list[str]:
-    """The CUDA toolkit's include dir, when the pip-installed NVRTC headers lack crt/mma.h (tensor cores)."""
-    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
-    return [f"-I{r}/include" for r in roots if r and Path(r, "include", "crt", "mma.h").is_file()][:1]
-
-
 @functools.lru_cache(maxsize=None)
 def kernel(file: str, name: str) -> cp.RawKernel:
+    """A kernel of kernels/<file>.cu; a template instance such as "decode_attention<64, 4>" is compiled
+    for exactly those arguments (NVRTC name expressions)."""
     source = (KERNELS_DIR / f"{file}.cu").read_text()
-    module = cp.RawModule(code=source, options=("-std=c++17", f"-I{KERNELS_DIR}", *_toolkit_includes()))
+    templates = (name,) if "<" in name else None
+    module = cp.RawModule(code=source, options=("-std=c++17", f"-I{KERNELS_DIR}"), name_expressions=templates)
     return module.get_function(name)
 
 
@@ -101,3 +97,26 @@ def swiglu(gate_up: cp.ndarray, act: cp.ndarray) -> None:
 def argmax(logits: cp.ndarray, out: cp.ndarray) -> None:
     _rows_ok(logits)
     kernel("argmax", "argmax")((logits.shape[0],), (1024,), (logits, out, np.int32(logits.shape[1])))
+
+
+def store_kv(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, slots: cp.ndarray, num_heads: int) -> None:
+    _rows_ok(qkv)
+    _, kv_heads, head_dim = k_cache.shape
+    assert k_cache.flags.c_contiguous and v_cache.flags.c_contiguous, "the cache must be (slots, kv_heads, head_dim)"
+    kernel("store_kv", "store_kv")((len(slots),), (128,), (qkv, k_cache, v_cache, slots, np.int32(num_heads * head_dim),
+                                                         np.int32(kv_heads * head_dim), np.int32(qkv.strides[0] // 2)))
+
+
+DECODE_THREADS = 256  # kernels/decode_attention.cuh
+
+
+def decode_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, starts: cp.ndarray,
+                     lengths: cp.ndarray, out: cp.ndarray, num_heads: int) -> None:
+    _rows_ok(qkv, out)
+    _, kv_heads, head_dim = k_cache.shape
+    assert head_dim in (16, 32, 64, 128, 256) and num_heads % kv_heads == 0
+    assert qkv.strides[0] % 16 == 0 and k_cache.flags.c_contiguous, "16-byte rows for the vector loads"
+    k = kernel("decode_attention", f"decode_attention<{head_dim}, {num_heads // kv_heads}>")
+    k((kv_heads, len(lengths)), (DECODE_THREADS,),
+      (qkv, k_cache, v_cache, starts, lengths, out, np.int32(kv_heads), np.int32(qkv.strides[0] // 2),
+       np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)))

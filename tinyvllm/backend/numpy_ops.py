@@ -69,3 +69,50 @@ def swiglu(gate_up: np.ndarray, act: np.ndarray) -> None:
 
 def argmax(logits: np.ndarray, out: np.ndarray) -> None:
     out[...] = np.argmax(logits, axis=-1)
+
+
+def store_kv(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
+             num_heads: int) -> None:
+    """Row t's K and V columns (after the num_heads Q heads) -> slot slots[t] of this layer's cache."""
+    _, kv_heads, head_dim = k_cache.shape
+    q_cols, kv_cols = num_heads * head_dim, kv_heads * head_dim
+    k_cache[slots] = qkv[:, q_cols:q_cols + kv_cols].reshape(-1, kv_heads, head_dim)
+    v_cache[slots] = qkv[:, q_cols + kv_cols:q_cols + 2 * kv_cols].reshape(-1, kv_heads, head_dim)
+
+
+DECODE_SPLITS = 32  # the kernel's thread groups for head_dim 64: the context is cut into this many chunks
+
+
+def decode_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, starts: np.ndarray,
+                     lengths: np.ndarray, out: np.ndarray, num_heads: int) -> None:
+    """One new query per row b (qkv[b]'s Q heads) against keys in slots starts[b] .. starts[b] + lengths[b] - 1.
+
+    As the kernel does it: the context is cut into DECODE_SPLITS chunks (one per thread group), each
+    chunk gets its own max, sum and output, and the chunks are merged with online softmax's rescaling.
+    """
+    _, kv_heads, head_dim = k_cache.shape
+    for b, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        q = qkv[b, :num_heads * head_dim].reshape(kv_heads, num_heads // kv_heads, head_dim)
+        keys = slice(start, start + length)
+        out[b] = attend_in_chunks(q, k_cache[keys], v_cache[keys]).reshape(-1)
+
+
+def attend_in_chunks(q: np.ndarray, k: np.ndarray, v: np.ndarray, splits: int = DECODE_SPLITS) -> np.ndarray:
+    """q (kv_heads, group, d) — the query heads sharing each K/V head; k, v (L, kv_heads, d). Returns
+    (kv_heads, group, d): softmax(q k^T / sqrt(d)) v, computed chunk by chunk and merged."""
+    chunk = -(-len(k) // splits)  # keys per chunk; trailing chunks may be empty
+    m = np.full((splits,) + q.shape[:2], -np.inf, np.float32)   # running max per chunk and head
+    total = np.zeros_like(m)                                     # sum of exp(score - m)
+    acc = np.zeros((splits,) + q.shape, np.float32)              # sum of exp(score - m) * v
+    for i in range(splits):
+        ks, vs = k[i * chunk:(i + 1) * chunk], v[i * chunk:(i + 1) * chunk]
+        if len(ks) == 0:
+            continue
+        scores = np.einsum("hgd,thd->hgt", q, ks) / np.float32(np.sqrt(q.shape[-1]))
+        m[i] = scores.max(-1)
+        p = np.exp(scores - m[i][..., None])
+        total[i], acc[i] = p.sum(-1), np.einsum("hgt,thd->hgd", p, vs)
+    # merge: rescale every chunk to the overall max, then one division
+    overall = m.max(0)
+    weight = np.exp(m - overall)                                # 0 for empty chunks (m = -inf)
+    return (np.einsum("shg,shgd->hgd", weight, acc) / (weight * total).sum(0)[..., None]).astype(np.float32)

@@ -1,0 +1,112 @@
+// Chapter 5 — the body of decode attention, shared by the contiguous (chapter 5) and paged (chapter 6)
+// kernels: they differ only in where token t's K/V row lives, which they pass in as slot_of(t).
+//
+// One thread block serves one sequence and one K/V head, i.e. the GROUP query heads that share it
+// (GQA), so each K/V row is read from memory once for all of them. Decode attention reads every cached
+// byte once and does ~2 FLOPs per byte: it is bound by memory bandwidth, so the design is about
+// keeping many loads in flight:
+//   - a thread holds 8 bf16 (16 bytes, one vector load) of a row; TPK = HEAD_DIM / 8 threads hold a
+//     whole key row, and the THREADS / TPK thread groups of the block work on different keys;
+//   - the context is cut into one contiguous chunk per thread group; each group walks its chunk
+//     UNROLL keys at a time (all their loads issued before any is used), keeping an online softmax:
+//     running max m, running sum l and running output acc, per query head;
+//   - at the end the groups merge through shared memory: rescale each group by exp(m_g - M), sum.
+// Scores are computed in base 2 (q is pre-scaled by log2(e) / sqrt(d)): exp2f is one instruction.
+#pragma once
+#include "common.cuh"
+
+constexpr int DECODE_THREADS = 256;
+constexpr int DECODE_UNROLL = 4;
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* out) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// q: the GROUP query heads of this K/V head (GROUP * HEAD_DIM bf16, contiguous); out: same shape.
+// k_cache/v_cache: (slots, num_kv_heads, HEAD_DIM), already offset to this block's K/V head.
+template <int HEAD_DIM, int GROUP, typename SlotOf>
+__device__ void decode_attention_block(const __nv_bfloat16* q, const __nv_bfloat16* k_cache,
+                                       const __nv_bfloat16* v_cache, long long slot_stride, int length,
+                                       SlotOf slot_of, __nv_bfloat16* out, float scale) {
+    constexpr int TPK = HEAD_DIM / 8;                     // threads per key row
+    constexpr int GROUPS = DECODE_THREADS / TPK;          // keys processed side by side
+    static_assert(HEAD_DIM % 8 == 0 && TPK <= 32 && 32 % TPK == 0, "a key row must fit in one warp");
+    const int lane = threadIdx.x % TPK, group = threadIdx.x / TPK;
+    const float log2e = 1.4426950408889634f;
+
+    float qf[GROUP][8], acc[GROUP][8], m[GROUP], l[GROUP];
+    #pragma unroll
+    for (int h = 0; h < GROUP; ++h) {
+        bf16x8_to_float(*reinterpret_cast<const uint4*>(q + h * HEAD_DIM + lane * 8), qf[h]);
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) { qf[h][i] *= scale * log2e; acc[h][i] = 0.0f; }
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+
+    const int chunk = (length + GROUPS - 1) / GROUPS;
+    const int first = group * chunk, end = min(length, first + chunk);
+    // every group runs the same number of iterations (the shuffles below need the whole warp)
+    for (int base = first; base < first + chunk; base += DECODE_UNROLL) {
+        uint4 k_raw[DECODE_UNROLL], v_raw[DECODE_UNROLL];
+        #pragma unroll
+        for (int u = 0; u < DECODE_UNROLL; ++u) {  // issue all loads first; past the end, reload a valid row
+            long long row = slot_of(min(base + u, length - 1)) * slot_stride + lane * 8;
+            k_raw[u] = *reinterpret_cast<const uint4*>(k_cache + row);
+            v_raw[u] = *reinterpret_cast<const uint4*>(v_cache + row);
+        }
+        #pragma unroll
+        for (int u = 0; u < DECODE_UNROLL; ++u) {
+            float k[8], v[8];
+            bf16x8_to_float(k_raw[u], k);
+            bf16x8_to_float(v_raw[u], v);
+            bool valid = base + u < end;
+            #pragma unroll
+            for (int h = 0; h < GROUP; ++h) {
+                float s = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) s += qf[h][i] * k[i];
+                #pragma unroll
+                for (int offset = TPK / 2; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
+                if (valid) {
+                    float m_new = fmaxf(m[h], s);
+                    float alpha = exp2f(m[h] - m_new), p = exp2f(s - m_new);  // alpha = 0 on the first key
+                    l[h] = l[h] * alpha + p;
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[h][i] = acc[h][i] * alpha + p * v[i];
+                    m[h] = m_new;
+                }
+            }
+        }
+    }
+
+    // merge the groups, one query head at a time (keeps shared memory at GROUPS x HEAD_DIM floats)
+    __shared__ float part[GROUPS][HEAD_DIM];
+    __shared__ float group_m[GROUPS], group_l[GROUPS];
+    #pragma unroll
+    for (int h = 0; h < GROUP; ++h) {
+        if (lane == 0) { group_m[group] = m[h]; group_l[group] = l[h]; }
+        __syncthreads();
+        float max_all = -INFINITY;
+        for (int g = 0; g < GROUPS; ++g) max_all = fmaxf(max_all, group_m[g]);  // finite: length >= 1
+        float mine = exp2f(m[h] - max_all);                                     // 0 for an empty chunk
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) part[group][lane * 8 + i] = acc[h][i] * mine;
+        __syncthreads();
+        if (threadIdx.x < HEAD_DIM) {
+            float sum = 0.0f, denom = 0.0f;
+            for (int g = 0; g < GROUPS; ++g) {
+                sum += part[g][threadIdx.x];
+                denom += group_l[g] * exp2f(group_m[g] - max_all);
+            }
+            out[h * HEAD_DIM + threadIdx.x] = __float2bfloat16(sum / denom);
+        }
+        __syncthreads();  // part[] and group_m[] are rewritten for the next head
+    }
+}
