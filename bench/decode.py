@@ -5,9 +5,10 @@ One decode step reads every weight once (plus the context's K/V), so its floor i
     (weight bytes + KV bytes read) / copy bandwidth measured in the same run.
 
 Reports ms per token (decode step + greedy sampling, until the id is on the host) against that floor,
-where the step's time goes (each kernel timed with CUDA events; the rest is launch gaps: the host
-launching ~150 kernels one by one, which chapter 7's CUDA graphs remove), and HF transformers (bf16,
-its KV cache) decoding on the same weights and context. Writes bench/results/decode-<time>.json.
+where the step's time goes — the GPU time of the step with its kernels queued back to back (behind
+op_timer.hold_gpu), per op, and the rest: launch gaps, the host launching ~150 kernels one by one,
+which chapter 7's CUDA graphs remove — and HF transformers (bf16, its KV cache) decoding on the same
+weights and context. Writes bench/results/decode-<time>.json.
 
     python bench/decode.py [--model DIR] [--context 512] [--steps 64]
 """
@@ -37,20 +38,21 @@ def kv_bytes_per_step(cfg, context: int) -> int:
     return 2 * cfg.num_hidden_layers * context * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
 
 
-def tinyvllm_ms_per_token(model, context: int, steps: int) -> tuple[float, dict, float]:
-    """Median ms per decode step + greedy sample at `context` cached tokens; one step's per-kernel seconds."""
+def tinyvllm_ms_per_token(model, context: int, steps: int) -> tuple[float, float, dict]:
+    """At `context` cached tokens: median ms per decode step + greedy sample; the GPU time of one step with
+    its kernels run back to back (no launch gaps); that step's seconds per op."""
     import cupy as cp
 
     from tinyvllm.decode import decode_step
     from tinyvllm.kv_cache import ContiguousKVCache
-    from tinyvllm.op_timer import timed_ops
+    from tinyvllm.op_timer import hold_gpu, timed_ops
     from tinyvllm.prefill import prefill
     from tinyvllm.sampling import SamplingParams, sample
     greedy, rng = SamplingParams(temperature=0), np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, context).tolist()
 
     def fresh_cache():
-        cache = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=context + steps + 8)
+        cache = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=context + steps + 16)
         logits, _ = prefill(model, ids, cache=cache)
         return cache, sample(logits, greedy, rng)
 
@@ -63,12 +65,19 @@ def tinyvllm_ms_per_token(model, context: int, steps: int) -> tuple[float, dict,
         start = time.perf_counter()
         token = sample(decode_step(model, [token], cache, [0])[0], greedy, rng)
         times.append(time.perf_counter() - start)
-    cp.cuda.get_current_stream().synchronize()
+    busy = []
+    for _ in range(5):  # the whole step queued behind hold_gpu(): kernels back to back
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        hold_gpu()
+        start.record()
+        decode_step(model, [token], cache, [0])
+        end.record()
+        end.synchronize()
+        busy.append(cp.cuda.get_elapsed_time(start, end))
+    hold_gpu()
     with timed_ops(model) as timer:
-        start = time.perf_counter()
-        sample(decode_step(model, [token], cache, [0])[0], greedy, rng)
-        timed_wall = time.perf_counter() - start
-    return 1e3 * statistics.median(times), timer.totals(), timed_wall
+        decode_step(model, [token], cache, [0])
+    return 1e3 * statistics.median(times), statistics.median(busy), timer.totals()
 
 
 def transformers_ms_per_token(model_dir: Path, context: int, steps: int) -> float:
@@ -108,21 +117,21 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     step_bytes = weight_bytes_per_step(model) + kv_bytes_per_step(model.cfg, args.context)
     floor_ms = 1e3 * step_bytes / bandwidth
-    ms, kernels, timed_wall = tinyvllm_ms_per_token(model, args.context, args.steps)
-    kernel_ms = 1e3 * sum(kernels.values())
+    ms, kernel_ms, kernels = tinyvllm_ms_per_token(model, args.context, args.steps)
     hf_ms = transformers_ms_per_token(model_dir, args.context, args.steps)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; a step reads {step_bytes / 1e9:.3f} GB -> floor {floor_ms:.3f} ms")
     print(f"tinyvllm eager: {ms:.3f} ms/token = {ms / floor_ms:.2f}x the floor; kernels {kernel_ms:.3f} ms "
           f"({kernel_ms / floor_ms:.2f}x the floor), launch gaps and host {ms - kernel_ms:.3f} ms")
     for name, s in kernels.items():
         print(f"    {name:<18} {s * 1e3:8.3f} ms")
+    print(f"    (sum over ops {1e3 * sum(kernels.values()):.3f} ms: each op's pair of CUDA events adds a little)")
     print(f"transformers (bf16, KV cache): {hf_ms:.3f} ms/token -> tinyvllm is {hf_ms / ms:.2f}x faster")
     result = {"benchmark": "decode", "machine": machine(), "model": str(model_dir), "config": vars(model.cfg),
               "batch": 1, "context": args.context, "steps": args.steps, "mode": "eager",
               "copy_bandwidth_gb_s": bandwidth / 1e9, "bytes_per_step": step_bytes, "floor_ms": floor_ms,
               "ms_per_token": ms, "ratio_to_floor": ms / floor_ms,
               "kernel_ms": kernel_ms, "kernel_ratio_to_floor": kernel_ms / floor_ms,
-              "launch_gaps_and_host_ms": ms - kernel_ms, "timed_step_wall_ms": 1e3 * timed_wall,
+              "launch_gaps_and_host_ms": ms - kernel_ms,
               "kernel_ms_by_op": {k: round(v * 1e3, 4) for k, v in kernels.items()},
               "transformers_ms_per_token": hf_ms, "speedup_vs_transformers": hf_ms / ms}
     print("wrote", write_result("decode", result))

@@ -63,9 +63,14 @@ def test_store_kv_kernel_matches_twin():
 
 @pytest.fixture(scope="module")
 def gpu_model(tmp_path_factory):
+    import shutil
+
     from tinyvllm.model import Model
+    from tinyvllm.models import llama3_tokenizer_dir
     path = tmp_path_factory.mktemp("gqa4")
     save_random_llama(path, CONFIGS["tiny-gqa4"], seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # LLM() wants a tokenizer beside the weights
+        shutil.copy(llama3_tokenizer_dir() / name, path / name)
     return path, Model(path, device="cuda", max_tokens=1024)
 
 

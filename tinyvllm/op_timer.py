@@ -4,9 +4,11 @@
         decode_step(model, [token], cache, [0])
     timer.totals()   # {"gemm": seconds, "decode_attention": seconds, ...}
 
-On the GPU each op is bracketed by two CUDA events, so the time is what the GPU spent in the kernel;
-the wall time of the step minus the kernels' sum is what launching them cost (the "launch gaps" that
-CUDA graphs remove in chapter 7). On the CPU each op is timed with perf_counter.
+On the GPU each op is bracketed by two CUDA events. Call hold_gpu() first: the GPU then waits while
+the host queues the whole step behind it, and runs the kernels back to back, so each pair of events
+times a kernel alone. The step's wall time minus the kernels' sum is what launching them one by one
+cost (the "launch gaps" that CUDA graphs remove in chapter 7). On the CPU each op is timed with
+perf_counter.
 """
 from __future__ import annotations
 
@@ -70,3 +72,18 @@ def timed_ops(model):
         yield timer
     finally:
         model.ops = original
+
+
+# A GPU "sleep": spins on the nanosecond global timer. Not an engine kernel, a measuring tool.
+_SPIN = r"""
+extern "C" __global__ void spin(long long ns) {
+    long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < ns);
+}"""
+
+
+def hold_gpu(seconds: float = 0.05) -> None:
+    """Keep the GPU busy for `seconds`, so the work queued next starts only once the host has queued it all."""
+    import cupy as cp
+    cp.RawKernel(_SPIN, "spin")((1,), (1,), (cp.int64(seconds * 1e9),))
