@@ -34,7 +34,10 @@ from transformers.utils import logging as hf_logging
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from bench.decode import weight_bytes_per_step  # noqa: E402
+from tinyvllm.decode import decode_step  # noqa: E402
 from tinyvllm.llm import LLM  # noqa: E402
+from tinyvllm.prefill import prefill  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 TARGETS = {"ratio_max": 0.7, "peak_rss_mb_max": 1500}  # decode ms/token vs transformers; CLI memory
@@ -80,27 +83,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def decode_weight_bytes(llm: LLM) -> int:
-    """Bytes of weights one decode step reads: every matrix and norm, plus lm_head; one embedding row."""
-    w = llm.model.w
-    layers = sum(a.nbytes for name, a in w.items() if name.startswith("model.layers."))
-    embedding_row = llm.config.hidden_size * 4
-    return layers + w["model.norm.weight"].nbytes + llm.model.lm_head.nbytes + embedding_row
-
-
 class Tinyvllm:
-    """What LLM.stream runs on the CPU: the engine's prefill, then the reference model's cached decode."""
+    """What LLM.stream runs: the engine's prefill into the paged KV cache, then one decode step per token."""
     name = "tinyvllm"
+    seq = 0  # the sequence id this benchmark uses in the LLM's pool
 
     def __init__(self, llm: LLM, ids: list[int], steps: int):
         self.llm, self.ids, self.steps = llm, ids, steps
 
     def prefill(self) -> int:
-        logits, self.next_logits = self.llm._prefill(self.ids, self.steps + 1)  # a fresh KV cache each call
+        if self.seq in self.llm.cache.lengths:  # each call starts a fresh sequence
+            self.llm.cache.free(self.seq)
+        logits, _ = prefill(self.llm.engine, self.ids, cache=self.llm.cache, seq=self.seq)
         return int(np.argmax(logits))
 
     def step(self, token: int) -> int:
-        return int(np.argmax(self.next_logits(token)))
+        return int(np.argmax(decode_step(self.llm.engine, [token], self.llm.cache, [self.seq])[0]))
 
 
 class Transformers:
@@ -171,7 +169,7 @@ def measure(args) -> dict:
         results = run_interleaved(engines, args.tokens, args.chunk, args.warmup, args.settle)
     report["machine"]["load_average_at_end"] = os.getloadavg()
 
-    cfg, weight_bytes = llm.config, decode_weight_bytes(llm)
+    cfg, weight_bytes = llm.config, weight_bytes_per_step(llm.engine)
     floor_ms = 1e3 * weight_bytes / bandwidth
     for r in results.values():
         r["floor_over_median"] = round(floor_ms / r["decode_ms_per_token_median"], 3)  # 1.0 = at the limit
@@ -183,8 +181,8 @@ def measure(args) -> dict:
                      "chat_template": True, "prompt_tokens": len(ids), "generated_tokens": args.tokens,
                      "warmup_tokens": args.warmup, "chunk": args.chunk, "settle_s": args.settle,
                      "greedy": True, "stop_on_eos": False, "dtype": "float32"},
-        "tinyvllm_method": "LLM._prefill, as LLM.stream calls it: the engine's prefill, then per token "
-                           "ReferenceModel.forward([token], cache, all_logits=False); per-step wall time",
+        "tinyvllm_method": "as LLM.stream runs it: the engine's prefill into the paged KV cache, then per "
+                           "token decode_step (NumPy backend); per-step wall time",
         "transformers_method": "manual greedy loop: LlamaForCausalLM(token, cache=DynamicCache()), eager "
                                "attention, torch.inference_mode, float32; per-step wall time",
         "tinyvllm": ours, "transformers": theirs,

@@ -102,7 +102,7 @@ def test_teacher_forced_prefill_equals_prefill_plus_one_decode_step(request, whi
     cache = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=t + 1)
     prefill(model, ids[:t], cache=cache)                  # t tokens, then token t through decode
     step = decode_step(model, [ids[t]], cache, [0])[0]
-    assert cache.lengths == [t + 1]
+    assert cache.lengths == {0: t + 1}
     err = rel_err(step, full)
     assert err < 1e-5, f"t={t}: relative error {err:.2e}"
 

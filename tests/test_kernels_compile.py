@@ -12,15 +12,19 @@ NVCC = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin")
 
 DECODE_ARGS = ("const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const int*, const int*, "
                "__nv_bfloat16*, int, int, int, float")
+PAGED_ARGS = ("const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const int*, int, const int*, "
+              "__nv_bfloat16*, int, int, int, float")
+SHAPES = [(64, 4), (128, 3), (128, 4), (64, 3), (16, 1), (32, 2), (128, 8)]
 INSTANCES = {  # (head_dim, query heads per K/V head): Llama 3.2 1B/3B, 3.1 8B, SmolLM2, the tests' shapes
     "decode_attention": [f"template __global__ void decode_attention<{d}, {g}>({DECODE_ARGS});\n"
-                         for d, g in [(64, 4), (128, 3), (128, 4), (64, 3), (16, 1), (32, 2), (128, 8)]],
+                         for d, g in SHAPES],
+    "paged_attention": [f"template __global__ void paged_attention<{d}, {g}>({PAGED_ARGS});\n" for d, g in SHAPES],
 }
 
 
 def test_there_are_kernels():
     assert {"embedding", "rms_norm", "rope", "prefill_attention", "swiglu", "argmax", "store_kv",
-            "decode_attention"} <= {k.stem for k in KERNELS}
+            "decode_attention", "paged_attention"} <= {k.stem for k in KERNELS}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check kernels)")

@@ -28,11 +28,10 @@ def decode_step(model: Model, tokens: list[int], cache, seqs: list[int]):
     H, eps = cfg.num_attention_heads, cfg.rms_norm_eps
 
     positions = [cache.lengths[s] for s in seqs]          # the new token's position = tokens cached so far
-    slots = np.concatenate([cache.slots(s, 1) for s in seqs])
-    for s in seqs:
-        cache.lengths[s] += 1                             # attention below sees the new token too
+    slots = np.concatenate([cache.append(s, 1) for s in seqs])  # attention below sees the new token too
     ids, positions, slots = (ops.to_device(np.asarray(a, dtype=np.int32)) for a in (tokens, positions, slots))
-    starts, lengths = cache.lookup(seqs)
+    where = cache.lookup(seqs)                            # where each sequence's keys are: once per step
+    attention = getattr(ops, cache.attention)             # decode_attention, or paged_attention (chapter 6)
 
     ops.embedding(ids, model.embed, residual)
     pending = None
@@ -41,7 +40,7 @@ def decode_step(model: Model, tokens: list[int], cache, seqs: list[int]):
         ops.gemm(normed, layer.qkv, qkv)
         ops.rope(qkv, positions, model.cos, model.sin, H + cfg.num_key_value_heads, cfg.head_dim)
         ops.store_kv(qkv, cache.k[i], cache.v[i], slots, H)
-        ops.decode_attention(qkv, cache.k[i], cache.v[i], starts, lengths, attn, H)
+        attention(qkv, cache.k[i], cache.v[i], *where, attn, H)
         ops.gemm(attn, layer.o_proj, delta)
         ops.add_rms_norm(residual, delta, layer.post_norm, normed, eps)
         ops.gemm(normed, layer.gate_up, b["gate_up"])

@@ -23,18 +23,21 @@ class ContiguousKVCache:
         self.ops, self.num_seqs, self.max_len = ops, num_seqs, max_len
         shape = (cfg.num_hidden_layers, num_seqs * max_len, cfg.num_key_value_heads, cfg.head_dim)
         self.k, self.v = ops.xp.zeros(shape, ops.DTYPE), ops.xp.zeros(shape, ops.DTYPE)
-        self.lengths = [0] * num_seqs  # tokens cached so far, per sequence
+        self.lengths = {seq: 0 for seq in range(num_seqs)}  # tokens cached so far, per sequence
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def slots(self, seq: int, count: int) -> np.ndarray:
-        """The slots of the next `count` tokens of sequence `seq` (positions lengths[seq] onwards)."""
+    attention = "decode_attention"  # the backend op that reads this layout (chapter 6's reads blocks)
+
+    def append(self, seq: int, count: int) -> np.ndarray:
+        """Room for `count` more tokens of sequence `seq`: their slots (positions lengths[seq] onwards)."""
         start = self.lengths[seq]
         if start + count > self.max_len:
             raise TinyVLLMError(f"sequence {seq} needs {start + count} tokens of KV cache but holds "
                                 f"{self.max_len}; ask for fewer tokens")
+        self.lengths[seq] += count
         return seq * self.max_len + np.arange(start, start + count, dtype=np.int32)
 
     def lookup(self, seqs: list[int]) -> tuple:

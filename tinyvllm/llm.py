@@ -8,8 +8,8 @@
 
 `generate` takes raw text (no chat template), `chat` applies the model's template, as in vLLM.
 
-The prompt goes through the engine's prefill (chapter 3), which fills a KV cache; each next token is
-one decode step (chapter 5) reading that cache. The same code runs on either device.
+The prompt goes through the engine's prefill (chapter 3), which fills the paged KV cache (chapter 6);
+each next token is one decode step (chapter 5) reading it. The same code runs on either device.
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from tinyvllm.backend import resolve_device
 from tinyvllm.config import load_config
 from tinyvllm.decode import decode_step
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.kv_cache import ContiguousKVCache
+from tinyvllm.block_manager import BLOCK_SIZE, blocks_for
 from tinyvllm.model import Model
 from tinyvllm.models import resolve_model
+from tinyvllm.paged_cache import PagedKVCache, pool_blocks
 from tinyvllm.prefill import prefill
 from tinyvllm.sampling import SamplingParams, sample
 from tinyvllm.tokenizer import IncrementalDecoder, load_tokenizer
@@ -58,7 +59,8 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str = "default", device: str = "auto", max_model_len: int | None = None):
+    def __init__(self, model: str = "default", device: str = "auto", max_model_len: int | None = None,
+                 num_blocks: int | None = None, gpu_memory_utilization: float = 0.9):
         self.device = resolve_device(device)
         self.model_dir = resolve_model(model)
         load_config(self.model_dir)  # a bad config.json is reported before anything else is read
@@ -67,6 +69,10 @@ class LLM:
                             max_tokens=MAX_PREFILL_TOKENS[self.device])
         self.config, self.max_model_len = self.engine.cfg, self.engine.max_model_len
         self.stop_token_ids = sorted(set(self.tokenizer.stop_token_ids) | set(self.config.eos_token_ids))
+        # the paged KV cache (chapter 6): one pool of 16-token blocks, sized once from what memory is left
+        blocks = num_blocks or pool_blocks(self.config, self.engine.ops, gpu_memory_utilization)
+        self.cache = PagedKVCache(self.config, self.engine.ops, blocks)
+        self._next_seq = 0
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -106,30 +112,33 @@ class LLM:
         decoder, held = IncrementalDecoder(self.tokenizer), ""  # held: text that may start a stop string
         hold = max((len(s) for s in params.stop), default=1) - 1
 
-        start = time.perf_counter()
-        logits, next_logits = self._prefill(prompt_ids, max_tokens)
-        timings["prefill_s"] = time.perf_counter() - start
-        stopped_by_string = False
-        while True:
-            token = sample(logits, params, rng)  # on the logits' device: only the id crosses to the host
-            completion.token_ids.append(token)
-            if token in stop_ids:
-                completion.finish_reason = "stop"
-                break
-            held += decoder.feed(token)
-            cut = min((i for i in (held.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:  # a stop string ends the text exactly where it begins
-                held, stopped_by_string, completion.finish_reason = held[:cut], True, "stop"
-                break
-            keep = max(len(held) - hold, 0)  # the last `hold` chars may be the start of a stop string
-            ready, held = held[:keep], held[keep:]
-            completion.text += ready
-            if ready:
-                yield ready
-            if len(completion.token_ids) >= max_tokens:
-                completion.finish_reason = "length"
-                break
-            logits = next_logits(token)
+        seq, start = self._start_sequence(len(prompt_ids) + max_tokens), time.perf_counter()
+        try:  # whatever happens (done, error, the caller stops iterating), the blocks go back to the pool
+            logits, _ = prefill(self.engine, prompt_ids, cache=self.cache, seq=seq)
+            timings["prefill_s"] = time.perf_counter() - start
+            stopped_by_string = False
+            while True:
+                token = sample(logits, params, rng)  # on the logits' device: only the id crosses to the host
+                completion.token_ids.append(token)
+                if token in stop_ids:
+                    completion.finish_reason = "stop"
+                    break
+                held += decoder.feed(token)
+                cut = min((i for i in (held.find(s) for s in params.stop) if i >= 0), default=-1)
+                if cut >= 0:  # a stop string ends the text exactly where it begins
+                    held, stopped_by_string, completion.finish_reason = held[:cut], True, "stop"
+                    break
+                keep = max(len(held) - hold, 0)  # the last `hold` chars may be the start of a stop string
+                ready, held = held[:keep], held[keep:]
+                completion.text += ready
+                if ready:
+                    yield ready
+                if len(completion.token_ids) >= max_tokens:
+                    completion.finish_reason = "length"
+                    break
+                logits = decode_step(self.engine, [token], self.cache, [seq])[0]
+        finally:
+            self.cache.free(seq)
         if not stopped_by_string:
             held += decoder.flush()
         completion.text += held
@@ -140,12 +149,14 @@ class LLM:
         timings["decode_s"] = timings["total_s"] - timings["prefill_s"]
         timings["decode_tokens_per_s"] = steps / timings["decode_s"] if steps else 0.0
 
-    def _prefill(self, prompt_ids: list[int], max_tokens: int):
-        """The prompt's last logits, and a function that turns the next token into the next logits."""
-        # the cache holds exactly this request: its prompt and every token it may generate
-        cache = ContiguousKVCache(self.config, self.engine.ops, num_seqs=1, max_len=len(prompt_ids) + max_tokens)
-        logits, _ = prefill(self.engine, prompt_ids, cache=cache)
-        return logits, lambda token: decode_step(self.engine, [token], cache, [0])[0]
+    def _start_sequence(self, max_tokens: int) -> int:
+        """A new sequence id, once it is sure that its prompt and every token it may generate fit the pool."""
+        if blocks_for(max_tokens) > self.cache.num_blocks:
+            raise TinyVLLMError(f"this request may need {max_tokens} tokens of KV cache ({blocks_for(max_tokens)} "
+                                f"blocks) but the pool holds {self.cache.num_blocks} blocks of {BLOCK_SIZE}; "
+                                "lower max_tokens or give the cache more memory")
+        self._next_seq += 1
+        return self._next_seq
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:

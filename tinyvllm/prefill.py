@@ -34,10 +34,9 @@ def prefill(model: Model, token_ids, all_logits: bool = False, on_layer=None, ca
     residual, normed, qkv, attn, delta = b["residual"], b["normed"], b["qkv"], b["attn_out"], b["delta"]
     if cache is None:
         cache, seq = ContiguousKVCache(cfg, ops, num_seqs=1, max_len=T), 0
-    if cache.lengths[seq]:
+    if cache.lengths.get(seq, 0):
         raise TinyVLLMError(f"prefill needs an empty sequence; {seq} holds {cache.lengths[seq]} tokens")
-    slots = ops.to_device(cache.slots(seq, T))
-    cache.lengths[seq] = T
+    slots = ops.to_device(cache.append(seq, T))
     ids = ops.to_device(np.asarray(token_ids, dtype=np.int32))
     positions = ops.to_device(np.arange(T, dtype=np.int32))
     H, KVH, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps

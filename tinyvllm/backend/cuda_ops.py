@@ -112,11 +112,23 @@ DECODE_THREADS = 256  # kernels/decode_attention.cuh
 
 def decode_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, starts: cp.ndarray,
                      lengths: cp.ndarray, out: cp.ndarray, num_heads: int) -> None:
+    _launch_decode("decode_attention", qkv, k_cache, v_cache, (starts, lengths), out, num_heads)
+
+
+def paged_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, block_tables: cp.ndarray,
+                    lengths: cp.ndarray, out: cp.ndarray, num_heads: int) -> None:
+    assert block_tables.flags.c_contiguous and block_tables.dtype == np.int32
+    _launch_decode("paged_attention", qkv, k_cache, v_cache,
+                   (block_tables, np.int32(block_tables.shape[1]), lengths), out, num_heads)
+
+
+def _launch_decode(name: str, qkv, k_cache, v_cache, where: tuple, out, num_heads: int) -> None:
+    """Both decode attention kernels: grid (kv_heads, n), one instance per (head_dim, query heads per K/V head)."""
     _rows_ok(qkv, out)
     _, kv_heads, head_dim = k_cache.shape
     assert head_dim in (16, 32, 64, 128, 256) and num_heads % kv_heads == 0
     assert qkv.strides[0] % 16 == 0 and k_cache.flags.c_contiguous, "16-byte rows for the vector loads"
-    k = kernel("decode_attention", f"decode_attention<{head_dim}, {num_heads // kv_heads}>")
-    k((kv_heads, len(lengths)), (DECODE_THREADS,),
-      (qkv, k_cache, v_cache, starts, lengths, out, np.int32(kv_heads), np.int32(qkv.strides[0] // 2),
+    k = kernel(name, f"{name}<{head_dim}, {num_heads // kv_heads}>")
+    k((kv_heads, out.shape[0]), (DECODE_THREADS,),
+      (qkv, k_cache, v_cache, *where, out, np.int32(kv_heads), np.int32(qkv.strides[0] // 2),
        np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)))

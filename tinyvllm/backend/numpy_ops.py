@@ -116,3 +116,15 @@ def attend_in_chunks(q: np.ndarray, k: np.ndarray, v: np.ndarray, splits: int = 
     overall = m.max(0)
     weight = np.exp(m - overall)                                # 0 for empty chunks (m = -inf)
     return (np.einsum("shg,shgd->hgd", weight, acc) / (weight * total).sum(0)[..., None]).astype(np.float32)
+
+
+def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                    lengths: np.ndarray, out: np.ndarray, num_heads: int) -> None:
+    """decode_attention, with row b's token t in slot block_tables[b, t // 16] * 16 + t % 16 (chapter 6)."""
+    from tinyvllm.block_manager import BLOCK_SIZE
+    _, kv_heads, head_dim = k_cache.shape
+    for b, length in enumerate(lengths.tolist()):
+        t = np.arange(length)
+        slots = block_tables[b, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE  # gather through the table
+        q = qkv[b, :num_heads * head_dim].reshape(kv_heads, num_heads // kv_heads, head_dim)
+        out[b] = attend_in_chunks(q, k_cache[slots], v_cache[slots]).reshape(-1)

@@ -1,0 +1,223 @@
+"""Chapter 6 on the CPU: the block manager (property-based), paged attention's NumPy twin on shuffled
+blocks, pool sizing, and greedy generation through the paged cache vs the contiguous cache and transformers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.numeric import randn, rel_err, torch_attention
+from tinyvllm.backend import numpy_ops
+from tinyvllm.block_manager import BLOCK_SIZE, BlockManager, OutOfBlocks, blocks_for
+from tinyvllm.decode import decode_step
+from tinyvllm.errors import TinyVLLMError
+from tinyvllm.kv_cache import ContiguousKVCache
+from tinyvllm.model import Model
+from tinyvllm.paged_cache import PagedKVCache, bytes_per_block, pool_blocks
+from tinyvllm.prefill import prefill
+
+LENGTHS = [1, 15, 16, 17, 255, 4097]
+
+
+# ---------------------------------------------------------------- the block manager
+
+def check_invariants(bm: BlockManager) -> None:
+    """Every block is either free or in use, never both, never lost; a used block's count = its users."""
+    used = [b for table in bm.tables.values() for b in table]
+    assert len(set(bm.free_blocks)) == len(bm.free_blocks), "a block is on the free list twice"
+    assert not set(used) & set(bm.free_blocks), "a block is both free and in a table"
+    assert set(used) | set(bm.free_blocks) == set(range(bm.num_blocks)), "a block was lost"
+    for b in set(used):
+        assert bm.ref_counts[b] == used.count(b)
+    for seq, table in bm.tables.items():
+        assert len(table) == blocks_for(bm.lengths[seq]), f"sequence {seq}: {len(table)} blocks for {bm.lengths[seq]}"
+
+
+operations = st.lists(st.tuples(st.sampled_from(["allocate", "append", "free"]), st.integers(0, 7),
+                                st.integers(1, 70)), max_size=200)
+
+
+@settings(max_examples=300, deadline=None)
+@given(num_blocks=st.integers(1, 24), ops=operations)
+def test_block_manager_never_double_books_never_loses_a_block(num_blocks, ops):
+    bm, slots_of = BlockManager(num_blocks), {}
+    for op, seq, n in ops:
+        if op == "allocate" and seq not in bm.tables:
+            if bm.can_allocate(n):
+                slots_of[seq] = list(bm.allocate(seq, n))
+            else:
+                with pytest.raises(OutOfBlocks):
+                    bm.allocate(seq, n)
+        elif op == "append" and seq in bm.tables:
+            if bm.can_append(seq):
+                slots_of[seq].append(bm.append_slot(seq))
+            else:
+                with pytest.raises(OutOfBlocks):
+                    bm.append_slot(seq)
+        elif op == "free" and seq in bm.tables:
+            bm.free(seq)
+            del slots_of[seq]
+        check_invariants(bm)
+        all_slots = [s for slots in slots_of.values() for s in slots]
+        assert len(all_slots) == len(set(all_slots)), "two tokens share a slot"
+        for seq, slots in slots_of.items():  # the slot mapping agrees with the slots handed out
+            assert list(bm.slot_mapping(seq, 0, bm.lengths[seq])) == slots
+    for seq in list(bm.tables):
+        bm.free(seq)
+    assert bm.num_free == num_blocks and sorted(bm.free_blocks) == list(range(num_blocks))
+
+
+def test_slot_mapping_follows_the_block_table():
+    bm = BlockManager(10)
+    bm.allocate(0, 5)
+    bm.allocate(1, 40)            # blocks 1, 2, 3
+    bm.free(0)                    # block 0 goes to the back of the free list
+    bm.allocate(2, 20)            # blocks 4, 5
+    assert bm.tables == {1: [1, 2, 3], 2: [4, 5]}
+    assert list(bm.slot_mapping(1, 14, 4)) == [1 * 16 + 14, 1 * 16 + 15, 2 * 16 + 0, 2 * 16 + 1]
+    assert list(bm.slot_mapping(2, 16, 4)) == [5 * 16 + 0, 5 * 16 + 1, 5 * 16 + 2, 5 * 16 + 3]
+    np.testing.assert_array_equal(bm.block_tables([2, 1]), [[4, 5, -1], [1, 2, 3]])
+
+
+def test_a_new_block_only_when_the_last_is_full():
+    bm = BlockManager(3)
+    bm.allocate(0, 16)
+    assert bm.num_free == 2
+    bm.append_slot(0)             # token 16 opens block 2 of the sequence
+    assert bm.num_free == 1
+    for _ in range(15):
+        bm.append_slot(0)         # tokens 17..31 fill it
+    assert bm.num_free == 1 and bm.lengths[0] == 32
+
+
+def test_out_of_blocks_is_a_clear_error():
+    bm = BlockManager(2)
+    bm.allocate(0, 32)
+    with pytest.raises(OutOfBlocks, match="needs a new block at token 32"):
+        bm.append_slot(0)
+    with pytest.raises(OutOfBlocks, match="need 1 blocks"):
+        bm.allocate(1, 3)
+    assert bm.lengths[0] == 32 and bm.num_free == 0   # a refused request changes nothing
+
+
+# ---------------------------------------------------------------- paged attention (NumPy twin)
+
+def fragmented_pool(rng, lengths, kv_heads, head_dim, spare_blocks=5):
+    """A NaN pool whose blocks are handed out in random order: (k_pool, v_pool, tables, per-sequence (k, v))."""
+    num_blocks = sum(blocks_for(n) for n in lengths) + spare_blocks
+    order = list(rng.permutation(num_blocks))
+    k_pool = np.full((num_blocks * BLOCK_SIZE, kv_heads, head_dim), np.nan, np.float32)
+    v_pool = k_pool.copy()
+    width = max(blocks_for(n) for n in lengths)
+    tables, seqs = np.full((len(lengths), width), -1, np.int32), []
+    for row, n in enumerate(lengths):
+        table = [order.pop() for _ in range(blocks_for(n))]
+        tables[row, :len(table)] = table
+        k, v = randn(rng, n, kv_heads, head_dim, scale=2.0), randn(rng, n, kv_heads, head_dim)
+        t = np.arange(n)
+        slots = np.asarray(table)[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
+        k_pool[slots], v_pool[slots] = k, v
+        seqs.append((k, v))
+    return k_pool, v_pool, tables, seqs
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (9, 3, 64), (8, 1, 128)])
+def test_paged_attention_twin_equals_contiguous_attention(heads, kv_heads, head_dim):
+    rng = np.random.default_rng()
+    k_pool, v_pool, tables, seqs = fragmented_pool(rng, LENGTHS, kv_heads, head_dim)
+    n, q_cols = len(seqs), heads * head_dim
+    qkv = randn(rng, n, q_cols + 2 * kv_heads * head_dim, scale=2.0)
+    lengths = np.array(LENGTHS, np.int32)
+    paged = np.full((n, q_cols), np.nan, np.float32)
+    numpy_ops.paged_attention(qkv, k_pool, v_pool, tables, lengths, paged, heads)
+    # the same keys laid out contiguously, read by chapter 5's decode attention
+    k_flat, v_flat = np.concatenate([k for k, _ in seqs]), np.concatenate([v for _, v in seqs])
+    starts = np.concatenate([[0], np.cumsum(LENGTHS)[:-1]]).astype(np.int32)
+    contiguous = np.full((n, q_cols), np.nan, np.float32)
+    numpy_ops.decode_attention(qkv, k_flat, v_flat, starts, lengths, contiguous, heads)
+    np.testing.assert_allclose(paged, contiguous, rtol=1e-6, atol=1e-6)
+    for b, (k, v) in enumerate(seqs):  # and both equal torch's attention
+        expected = torch_attention(qkv[b, :q_cols].reshape(1, heads, head_dim), k, v, len(k) - 1)[0]
+        assert rel_err(paged[b], expected) < 1e-5
+
+
+# ---------------------------------------------------------------- the paged cache in the engine
+
+@pytest.fixture(scope="module")
+def smol(default_model_dir):
+    return Model(default_model_dir, "cpu", max_tokens=512)
+
+
+def test_paged_decode_equals_contiguous_decode(smol):
+    """Three sequences through a pool whose blocks were fragmented by an earlier sequence."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, smol.cfg.vocab_size, n).tolist() for n in (15, 33, 70)]
+    nexts = rng.integers(0, smol.cfg.vocab_size, (4, 3)).tolist()
+    paged = PagedKVCache(smol.cfg, smol.ops, num_blocks=20)
+    paged.append(99, 40)                      # a sequence takes blocks 0-2 ...
+    prefill(smol, prompts[0], cache=paged, seq=0)
+    paged.free(99)                            # ... and gives them back: later blocks come out of order
+    for s in (1, 2):
+        prefill(smol, prompts[s], cache=paged, seq=s)
+    contiguous = ContiguousKVCache(smol.cfg, smol.ops, num_seqs=3, max_len=80)
+    for s in range(3):
+        prefill(smol, prompts[s], cache=contiguous, seq=s)
+    assert paged.blocks.tables[2] != sorted(paged.blocks.tables[2]) or paged.blocks.tables[1][0] > 0
+    for step in nexts:
+        a = decode_step(smol, step[:3], paged, [0, 1, 2])
+        b = decode_step(smol, step[:3], contiguous, [0, 1, 2])
+        assert rel_err(a, b) < 1e-6
+    for s in range(3):
+        for layer in (0, smol.cfg.num_hidden_layers - 1):
+            for x, y in zip(paged.view(s, layer), contiguous.view(s, layer)):
+                np.testing.assert_array_equal(x, y)
+
+
+def test_pool_sizing_on_the_cpu(smol):
+    per_block = bytes_per_block(smol.cfg, 4)
+    assert per_block == 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 K/V heads of 64, float32
+    assert pool_blocks(smol.cfg, smol.ops, cpu_bytes=10 * per_block + 5) == 10
+    with pytest.raises(TinyVLLMError, match="no memory left for the KV cache"):
+        pool_blocks(smol.cfg, smol.ops, cpu_bytes=per_block - 1)
+
+
+@pytest.fixture(scope="module")
+def small_pool_llm(default_model_dir):
+    from tinyvllm import LLM
+    return LLM(default_model_dir, device="cpu", num_blocks=6)  # 96 tokens
+
+
+def test_request_that_can_never_fit_is_refused_before_it_starts(small_pool_llm):
+    from tinyvllm import SamplingParams
+    ids = list(range(10, 60))
+    with pytest.raises(TinyVLLMError, match="pool holds 6 blocks"):
+        small_pool_llm.generate([ids], SamplingParams(max_tokens=100))
+    assert small_pool_llm.cache.blocks.num_free == 6
+
+
+def test_running_out_mid_generation_is_an_error_and_returns_the_blocks(small_pool_llm):
+    """Two interleaved streams share a 6-block pool: the second one runs out, and its blocks come back."""
+    from tinyvllm import SamplingParams
+    llm, params = small_pool_llm, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    first = llm.stream(list(range(10, 50)), params)     # 40 + 50 tokens: 3 blocks now, 6 by the end
+    next(first)
+    with pytest.raises(OutOfBlocks):
+        for _ in llm.stream(list(range(10, 50)), params):  # 3 more blocks: the pool is full
+            next(first, None)
+    first.close()                                       # the caller stops: the first stream's blocks return too
+    assert llm.cache.blocks.num_free == 6 and not llm.cache.blocks.tables
+
+
+@pytest.mark.slow
+def test_greedy_through_the_paged_cache_equals_transformers(default_model_dir, small_pool_llm):
+    """Prompts whose blocks land out of order in a small pool, against transformers' greedy generate."""
+    from tests.test_reference import hf_greedy, load_hf, up_to_stop
+    from tinyvllm import SamplingParams
+    llm, hf = small_pool_llm, load_hf(default_model_dir)
+    for question in ("Name a color.", "What is 2+2?", "Say hello."):
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=96 - len(ids)))[0].token_ids
+        theirs = up_to_stop(hf_greedy(hf, ids, 96 - len(ids)), set(llm.stop_token_ids))
+        assert ours == theirs, question
+        assert llm.cache.blocks.num_free == 6

@@ -1,0 +1,100 @@
+"""Chapter 6: the block manager — KV cache memory handed out in blocks of 16 tokens, like pages.
+
+Chapter 5's contiguous cache gives every sequence max_len slots up front; most of them stay empty,
+because nobody knows in advance how long an answer will be. Here the pool is cut into blocks of
+BLOCK_SIZE token slots and a sequence gets a block only when it needs one: at most 15 slots per
+sequence are ever wasted.
+
+    block table of a sequence:  logical block 0, 1, 2, ...  ->  physical block 7, 2, 9, ...
+    slot of token t:            table[t // 16] * 16 + t % 16
+
+One block id serves every layer: the pool holds, per layer, the same (num_blocks * 16) slots, so one
+table per sequence is enough. Reference counts let chapter 7 share a block between sequences whose
+prompts start the same way (prefix caching): a block returns to the free list when its count is 0.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from tinyvllm.errors import TinyVLLMError
+
+BLOCK_SIZE = 16
+
+
+class OutOfBlocks(TinyVLLMError):
+    """The pool has no free block left (chapter 7's scheduler preempts a sequence when this happens)."""
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise TinyVLLMError(f"the KV cache pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.free_blocks = deque(range(num_blocks))  # O(1) to take from the left and give back on the right
+        self.ref_counts = [0] * num_blocks
+        self.tables: dict[int, list[int]] = {}        # sequence id -> its physical blocks, in order
+        self.lengths: dict[int, int] = {}             # sequence id -> tokens it holds
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return blocks_for(num_tokens) <= self.num_free
+
+    def allocate(self, seq: int, num_tokens: int) -> np.ndarray:
+        """Blocks for a new sequence's first num_tokens tokens (its prompt); returns their slots."""
+        if seq in self.tables:
+            raise TinyVLLMError(f"sequence {seq} already has blocks; free it first")
+        if not self.can_allocate(num_tokens):
+            raise OutOfBlocks(f"{num_tokens} tokens need {blocks_for(num_tokens)} blocks of {BLOCK_SIZE}; "
+                              f"{self.num_free} of {self.num_blocks} are free")
+        self.tables[seq] = [self._take() for _ in range(blocks_for(num_tokens))]
+        self.lengths[seq] = num_tokens
+        return self.slot_mapping(seq, 0, num_tokens)
+
+    def can_append(self, seq: int) -> bool:
+        """True if the next token fits: its slot is in the last block, or a free block is left."""
+        return self.lengths[seq] % BLOCK_SIZE != 0 or self.num_free > 0
+
+    def append_slot(self, seq: int) -> int:
+        """The slot of sequence seq's next token, taking a new block when the last one is full."""
+        if self.lengths[seq] % BLOCK_SIZE == 0:
+            if not self.free_blocks:
+                raise OutOfBlocks(f"sequence {seq} needs a new block at token {self.lengths[seq]}; "
+                                  f"all {self.num_blocks} blocks are taken")
+            self.tables[seq].append(self._take())
+        self.lengths[seq] += 1
+        return int(self.slot_mapping(seq, self.lengths[seq] - 1, 1)[0])
+
+    def free(self, seq: int) -> None:
+        """Give back a finished (or aborted) sequence's blocks; a shared block stays until its last user goes."""
+        for block in self.tables.pop(seq):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks.append(block)
+        del self.lengths[seq]
+
+    def slot_mapping(self, seq: int, start: int, count: int) -> np.ndarray:
+        """The physical slots of tokens start .. start + count - 1 of a sequence (what the kernels write to)."""
+        positions = np.arange(start, start + count)
+        table = np.asarray(self.tables[seq], dtype=np.int64)
+        return (table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE).astype(np.int32)
+
+    def block_tables(self, seqs: list[int]) -> np.ndarray:
+        """The tables of several sequences as one (n, longest) int32 array, padded with -1, for a kernel."""
+        tables = np.full((len(seqs), max(len(self.tables[s]) for s in seqs)), -1, dtype=np.int32)
+        for row, s in enumerate(seqs):
+            tables[row, :len(self.tables[s])] = self.tables[s]
+        return tables
+
+    def _take(self) -> int:
+        block = self.free_blocks.popleft()
+        self.ref_counts[block] = 1
+        return block
