@@ -59,6 +59,7 @@ bench: $(VENV)/.test  ## CPU decode benchmark vs transformers (writes bench/resu
 bench-gpu:  ## GPU benchmarks (writes bench/results/); PYTHON=... picks a Python with CuPy
 	$(GPU_PY) bench/prefill.py
 	$(GPU_PY) bench/decode.py
+	$(GPU_PY) bench/paged_attention.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -20,14 +20,21 @@ def machine() -> dict:
             "cupy": cp.__version__, "python": platform.python_version(), "numpy": np.__version__}
 
 
-def time_gpu(fn, repeats: int = 10, warmup: int = 3) -> float:
-    """Median seconds of fn() measured with CUDA events (the GPU's clock, not the host's)."""
+def time_gpu(fn, repeats: int = 10, warmup: int = 3, queued: bool = False) -> float:
+    """Median seconds of fn() measured with CUDA events (the GPU's clock, not the host's).
+
+    queued: fn's work is queued behind op_timer.hold_gpu() and runs back to back, so the time is the
+    GPU's alone, without the host's launch overhead (which dominates a kernel of a few microseconds)."""
     import cupy as cp
+
+    from tinyvllm.op_timer import hold_gpu
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         start, end = cp.cuda.Event(), cp.cuda.Event()
+        if queued:
+            hold_gpu(0.005)
         start.record()
         fn()
         end.record()

@@ -121,7 +121,7 @@ def test_gpu_greedy_generation_follows_transformers(gpu_model):
 
     from tinyvllm import LLM, SamplingParams
     path, _ = gpu_model
-    llm = LLM(str(path), device="cuda")
+    llm = LLM(str(path), device="cuda", num_blocks=64)
     prompt = np.random.default_rng(7).integers(0, llm.config.vocab_size, 200).tolist()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0]
     assert len(out.token_ids) == 48

@@ -31,6 +31,14 @@ def blocks_for(num_tokens: int) -> int:
     return -(-num_tokens // BLOCK_SIZE)
 
 
+def slot_mapping(block_table: list[int], start: int, count: int) -> np.ndarray:
+    """Physical slots of tokens start .. start + count - 1 of a sequence whose blocks are block_table:
+    token t is at offset t % 16 of physical block block_table[t // 16]. int32, as the kernels read it."""
+    positions = np.arange(start, start + count)
+    table = np.asarray(block_table, dtype=np.int64)
+    return (table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE).astype(np.int32)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
@@ -83,9 +91,7 @@ class BlockManager:
 
     def slot_mapping(self, seq: int, start: int, count: int) -> np.ndarray:
         """The physical slots of tokens start .. start + count - 1 of a sequence (what the kernels write to)."""
-        positions = np.arange(start, start + count)
-        table = np.asarray(self.tables[seq], dtype=np.int64)
-        return (table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE).astype(np.int32)
+        return slot_mapping(self.tables[seq], start, count)
 
     def block_tables(self, seqs: list[int]) -> np.ndarray:
         """The tables of several sequences as one (n, longest) int32 array, padded with -1, for a kernel."""

@@ -30,10 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tinyvllm", description="A small vLLM for Llama models, for learning.", parents=[debug])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    gen = sub.add_parser("generate", parents=[debug], help="answer a prompt, streaming the text")
+    # what builds an LLM: shared by generate and chat
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF model directory")
+    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    engine.add_argument("--num-blocks", type=_positive_int, help="KV cache blocks of 16 tokens (default: from memory)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of GPU memory for weights, buffers and the KV cache")
+
+    gen = sub.add_parser("generate", parents=[debug, engine], help="answer a prompt, streaming the text")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF model directory")
-    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--max-tokens", type=_positive_int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
@@ -42,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
-    chat = sub.add_parser("chat", parents=[debug], help="talk with the model, one line per turn (/reset, /exit)")
-    chat.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF model directory")
-    chat.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    chat = sub.add_parser("chat", parents=[debug, engine], help="talk with the model, one line per turn (/reset, /exit)")
     chat.add_argument("--system", default=None, help="a system prompt, kept for the whole conversation")
     chat.add_argument("--max-tokens", type=_positive_int, default=512, help="longest reply, in tokens")
     chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
@@ -58,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                       help="whose plan to show: cpu holds float32, cuda holds bf16")
     info.add_argument("--max-tokens", type=_positive_int, default=512, help="largest step the buffers hold")
+    info.add_argument("--num-blocks", type=_positive_int, help="KV cache pool size (default: sized from memory)")
     info.add_argument("--json", action="store_true")
 
     path = sub.add_parser("model-path", parents=[debug],
@@ -74,13 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_llm(args):
+    from tinyvllm.llm import LLM
+    return LLM(args.model, device=args.device, num_blocks=args.num_blocks,
+               gpu_memory_utilization=args.gpu_memory_utilization)
+
+
 def cmd_generate(args) -> None:
-    from tinyvllm.llm import LLM, CompletionOutput, RequestOutput
+    from tinyvllm.llm import CompletionOutput, RequestOutput
     from tinyvllm.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-    llm = LLM(args.model, device=args.device)
+    llm = build_llm(args)
     tok = llm.tokenizer
     messages = [{"role": "user", "content": args.prompt}]
     prompt_ids = tok.encode(args.prompt) if args.raw else tok.apply_chat_template(messages)
@@ -100,17 +111,16 @@ def cmd_generate(args) -> None:
 
 def cmd_chat(args) -> None:
     from tinyvllm.chat import run_chat
-    from tinyvllm.llm import LLM
     from tinyvllm.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-    run_chat(LLM(args.model, device=args.device), params, args.system, sys.stdin, sys.stdout, sys.stderr)
+    run_chat(build_llm(args), params, args.system, sys.stdin, sys.stdout, sys.stderr)
 
 
 def cmd_info(args) -> None:
     from tinyvllm.info import describe
-    report, text = describe(args.model, args.device, args.max_tokens)
+    report, text = describe(args.model, args.device, args.max_tokens, args.num_blocks)
     print(json.dumps(report, indent=2) if args.json else text)
 
 
