@@ -67,7 +67,7 @@ def test_generate_json(json_answer):
     assert "Paris" in json_answer["text"]
     assert json_answer["finish_reason"] == "stop" and json_answer["token_ids"][-1] == 2  # <|im_end|>
     assert json_answer["prompt_token_ids"][0] == 1  # the chat template starts with <|im_start|>
-    assert {"prefill_s", "decode_s", "total_s", "decode_tokens_per_s"} <= set(json_answer["timings"])
+    assert {"time_to_first_token_s", "time_per_output_token_s", "decode_tokens_per_s"} <= set(json_answer["timings"])
 
 
 def test_generate_streams_text_to_stdout_and_stats_to_stderr(json_answer):

@@ -129,8 +129,8 @@ def test_cache_refuses_to_overflow(smol):
     prefill(smol, [1, 2, 3, 4], cache=cache)
     with pytest.raises(TinyVLLMError, match="needs 5 tokens of KV cache but holds 4"):
         decode_step(smol, [5], cache, [0])
-    with pytest.raises(TinyVLLMError, match="empty sequence"):
-        prefill(smol, [1], cache=cache)
+    with pytest.raises(TinyVLLMError, match="needs 6 tokens of KV cache but holds 4"):
+        prefill(smol, [1, 2], cache=cache)
 
 
 def test_cache_size_is_two_tensors_per_layer_and_token(smol):

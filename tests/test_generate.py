@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-import tinyvllm.llm
+import tinyvllm.engine
 from tinyvllm import LLM, SamplingParams, TinyVLLMError
 from tinyvllm.llm import CompletionOutput, RequestOutput
 
@@ -79,8 +79,8 @@ def test_stream_holds_back_partial_utf8_of_forced_tokens(llm, monkeypatch):
     forced = llm.tokenizer.encode(target) + [llm.stop_token_ids[0]]
     assert any("\ufffd" in llm.tokenizer.decode([t]) for t in forced)  # some tokens hold partial characters
     script = iter(forced)
-    monkeypatch.setattr(tinyvllm.llm, "sample", lambda logits, params, rng: next(script))
-    chunks, out = stream_text(llm, llm.tokenizer.encode("Hi"), SamplingParams(temperature=0, max_tokens=64))
+    monkeypatch.setattr(tinyvllm.engine, "sample", lambda logits, params, rng: next(script))
+    chunks, out = stream_text(llm, llm.tokenizer.encode("Hi"), SamplingParams(temperature=1.0, max_tokens=64))
     assert out.outputs[0].text == "".join(chunks) == target
     assert not [c for c in chunks if "\ufffd" in c]
     assert len(chunks) > 3  # streamed piece by piece, not in one final flush

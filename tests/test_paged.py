@@ -196,16 +196,16 @@ def test_request_that_can_never_fit_is_refused_before_it_starts(small_pool_llm):
     assert small_pool_llm.cache.blocks.num_free == 6
 
 
-def test_running_out_mid_generation_is_an_error_and_returns_the_blocks(small_pool_llm):
-    """Two interleaved streams share a 6-block pool: the second one runs out, and its blocks come back."""
+def test_running_out_mid_generation_preempts_and_returns_every_block(small_pool_llm):
+    """Two requests in a 6-block pool: each needs 6 blocks by its end, so one is preempted when the pool
+    runs dry (chapter 7's answer to running out), recomputed later, and both end as they would alone."""
     from tinyvllm import SamplingParams
     llm, params = small_pool_llm, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    first = llm.stream(list(range(10, 50)), params)     # 40 + 50 tokens: 3 blocks now, 6 by the end
-    next(first)
-    with pytest.raises(OutOfBlocks):
-        for _ in llm.stream(list(range(10, 50)), params):  # 3 more blocks: the pool is full
-            next(first, None)
-    first.close()                                       # the caller stops: the first stream's blocks return too
+    prompts = [list(range(10, 50)), list(range(60, 100))]      # 40 + 50 tokens each: 6 blocks by the end
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    together = llm.generate(prompts, params)
+    assert [o.token_ids for o in together] == alone
+    assert sum(o.timings["preemptions"] for o in together) >= 1
     assert llm.cache.blocks.num_free == 6 and not llm.cache.blocks.tables
 
 

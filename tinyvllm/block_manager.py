@@ -73,13 +73,25 @@ class BlockManager:
 
     def append_slot(self, seq: int) -> int:
         """The slot of sequence seq's next token, taking a new block when the last one is full."""
-        if self.lengths[seq] % BLOCK_SIZE == 0:
-            if not self.free_blocks:
-                raise OutOfBlocks(f"sequence {seq} needs a new block at token {self.lengths[seq]}; "
-                                  f"all {self.num_blocks} blocks are taken")
-            self.tables[seq].append(self._take())
-        self.lengths[seq] += 1
-        return int(self.slot_mapping(seq, self.lengths[seq] - 1, 1)[0])
+        return int(self.extend(seq, 1)[0])
+
+    def extend(self, seq: int, count: int) -> np.ndarray:
+        """Slots for `count` more tokens of a sequence that has blocks, taking new blocks as needed."""
+        needed = blocks_for(self.lengths[seq] + count) - len(self.tables[seq])
+        if needed > self.num_free:
+            raise OutOfBlocks(f"sequence {seq} needs a new block at token {self.lengths[seq]}; "
+                              f"all {self.num_blocks} blocks are taken")
+        self.tables[seq] += [self._take() for _ in range(needed)]
+        self.lengths[seq] += count
+        return self.slot_mapping(seq, self.lengths[seq] - count, count)
+
+    # Without prefix caching (chapter 7), nothing is ever cached: a prompt needs blocks for all of it.
+    def can_admit(self, token_ids: list[int]) -> bool:
+        return self.can_allocate(len(token_ids))
+
+    def admit(self, seq: int, token_ids: list[int]) -> int:
+        """Start a sequence; returns how many of its tokens are already in the cache (none, here)."""
+        return 0
 
     def free(self, seq: int) -> None:
         """Give back a finished (or aborted) sequence's blocks; a shared block stays until its last user goes."""

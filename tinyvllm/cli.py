@@ -104,7 +104,8 @@ def cmd_generate(args) -> None:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": prompt_ids,
                           "finish_reason": out.outputs[0].finish_reason, "timings": t}, ensure_ascii=False))
     else:
-        print(f"\n\n[{len(prompt_ids)} prompt tokens in {t['prefill_s']:.2f} s, {len(out.token_ids)} generated "
+        print(f"\n\n[{len(prompt_ids)} prompt tokens, first token after {t['time_to_first_token_s']:.2f} s, "
+              f"{len(out.token_ids)} generated "
               f"at {t['decode_tokens_per_s']:.1f} tokens/s, finish: {out.outputs[0].finish_reason}]",
               file=sys.stderr)
 

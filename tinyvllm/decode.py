@@ -17,38 +17,21 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.model import Model
+from tinyvllm.prefill import final_logits, run_layers
 
 
 def decode_step(model: Model, tokens: list[int], cache, seqs: list[int]):
     """Append one token to each sequence seqs[b] (tokens[b] is its newest token, not yet cached) and
     return the next-token logits, (n, vocab) fp32 on the model's device."""
-    cfg, ops, n = model.cfg, model.ops, len(tokens)
-    b = {name: buf[:n] for name, buf in model.buffers.items()}
-    residual, normed, qkv, attn, delta = b["residual"], b["normed"], b["qkv"], b["attn_out"], b["delta"]
-    H, eps = cfg.num_attention_heads, cfg.rms_norm_eps
-
+    ops, H = model.ops, model.cfg.num_attention_heads
     positions = [cache.lengths[s] for s in seqs]          # the new token's position = tokens cached so far
     slots = np.concatenate([cache.append(s, 1) for s in seqs])  # attention below sees the new token too
     ids, positions, slots = (ops.to_device(np.asarray(a, dtype=np.int32)) for a in (tokens, positions, slots))
     where = cache.lookup(seqs)                            # where each sequence's keys are: once per step
     attention = getattr(ops, cache.attention)             # decode_attention, or paged_attention (chapter 6)
 
-    ops.embedding(ids, model.embed, residual)
-    pending = None
-    for i, layer in enumerate(model.layers):
-        ops.add_rms_norm(residual, pending, layer.input_norm, normed, eps)
-        ops.gemm(normed, layer.qkv, qkv)
-        ops.rope(qkv, positions, model.cos, model.sin, H + cfg.num_key_value_heads, cfg.head_dim)
-        ops.store_kv(qkv, cache.k[i], cache.v[i], slots, H)
-        attention(qkv, cache.k[i], cache.v[i], *where, attn, H)
-        ops.gemm(attn, layer.o_proj, delta)
-        ops.add_rms_norm(residual, delta, layer.post_norm, normed, eps)
-        ops.gemm(normed, layer.gate_up, b["gate_up"])
-        ops.swiglu(b["gate_up"], b["mlp_act"])
-        ops.gemm(b["mlp_act"], layer.down, delta)
-        pending = delta
+    def attend(layer: int, qkv, attn) -> None:
+        attention(qkv, cache.k[layer], cache.v[layer], *where, attn, H)
 
-    ops.add_rms_norm(residual, delta, model.final_norm, normed, eps)
-    logits = ops.xp.empty((n, cfg.vocab_size), dtype=np.float32)
-    ops.gemm(normed, model.lm_head, logits)
-    return logits
+    residual, delta = run_layers(model, ids, positions, slots, cache, attend)
+    return final_logits(model, residual, delta, slice(0, len(tokens)))

@@ -40,11 +40,11 @@ class ContiguousKVCache:
         self.lengths[seq] += count
         return seq * self.max_len + np.arange(start, start + count, dtype=np.int32)
 
-    def lookup(self, seqs: list[int]) -> tuple:
+    def lookup(self, seqs: list[int], lengths=None) -> tuple:
         """Where each decoding sequence's keys are, uploaded once per step and read by every layer:
         row b's token t sits in slot starts[b] + t, for t < lengths[b]."""
         starts = np.asarray(seqs, dtype=np.int32) * self.max_len
-        lengths = np.asarray([self.lengths[s] for s in seqs], dtype=np.int32)
+        lengths = np.asarray([self.lengths[s] for s in seqs] if lengths is None else lengths, dtype=np.int32)
         return self.ops.to_device(starts), self.ops.to_device(lengths)
 
     def view(self, seq: int, layer: int):

@@ -8,28 +8,28 @@
 
 `generate` takes raw text (no chat template), `chat` applies the model's template, as in vLLM.
 
-The prompt goes through the engine's prefill (chapter 3), which fills the paged KV cache (chapter 6);
-each next token is one decode step (chapter 5) reading it. The same code runs on either device.
+Every request goes through the engine loop (chapter 7): prompts are prefilled in batches (chapter 3)
+into the paged KV cache (chapter 6), and every running sequence decodes one token per step (chapter 5).
+The same code runs on either device.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
+from tqdm import tqdm
 
 from tinyvllm.backend import resolve_device
-from tinyvllm.config import load_config
-from tinyvllm.decode import decode_step
-from tinyvllm.errors import TinyVLLMError
 from tinyvllm.block_manager import BLOCK_SIZE, blocks_for
+from tinyvllm.config import load_config
+from tinyvllm.engine import Engine
+from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model import Model
 from tinyvllm.models import resolve_model
 from tinyvllm.paged_cache import PagedKVCache, pool_blocks
-from tinyvllm.prefill import prefill
-from tinyvllm.sampling import SamplingParams, sample
-from tinyvllm.tokenizer import IncrementalDecoder, load_tokenizer
+from tinyvllm.sampling import SamplingParams
+from tinyvllm.sequence import Sequence, Status
+from tinyvllm.tokenizer import load_tokenizer
 
 # Tokens the prefill buffers hold (float32 on the CPU: ~32 KB per token for SmolLM2; bf16 on the GPU).
 MAX_PREFILL_TOKENS = {"cpu": 4096, "cuda": 8192}
@@ -47,7 +47,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    timings: dict[str, float] = field(default_factory=dict)  # seconds, and decode tokens/s
+    timings: dict[str, float] = field(default_factory=dict)  # time to first token, per output token (s)
 
     @property
     def text(self) -> str:
@@ -60,7 +60,9 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str = "default", device: str = "auto", max_model_len: int | None = None,
-                 num_blocks: int | None = None, gpu_memory_utilization: float = 0.9):
+                 num_blocks: int | None = None, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
+                 enforce_eager: bool = False):
         self.device = resolve_device(device)
         self.model_dir = resolve_model(model)
         load_config(self.model_dir)  # a bad config.json is reported before anything else is read
@@ -71,92 +73,70 @@ class LLM:
         self.stop_token_ids = sorted(set(self.tokenizer.stop_token_ids) | set(self.config.eos_token_ids))
         # the paged KV cache (chapter 6): one pool of 16-token blocks, sized once from what memory is left
         blocks = num_blocks or pool_blocks(self.config, self.engine.ops, gpu_memory_utilization)
-        self.cache = PagedKVCache(self.config, self.engine.ops, blocks)
-        self._next_seq = 0
+        self.cache = PagedKVCache(self.config, self.engine.ops, blocks, prefix_caching=enable_prefix_caching)
+        decode = None
+        if self.device == "cuda" and not enforce_eager:  # chapter 7: decode steps replayed from CUDA graphs
+            from tinyvllm.cuda_graphs import GraphedDecode
+            decode = GraphedDecode(self.engine, self.cache, min(max_num_seqs, self.engine.max_tokens))
+        self.llm_engine = Engine(self.engine, self.tokenizer, self.cache, set(self.stop_token_ids), max_num_seqs,
+                                 max_num_batched_tokens, decode)
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Complete raw prompts (text, or token id lists); outputs in input order."""
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete raw prompts (text, or token id lists) all together; outputs in input order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        outputs = []
-        for prompt in prompts:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            outputs.append(self._run(prompt if isinstance(prompt, str) else None, ids, params))
-        return outputs
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run_all(texts, ids, sampling_params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate the replies."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        params = sampling_params or SamplingParams()
-        return [self._run(None, self.tokenizer.apply_chat_template(c), params) for c in conversations]
+        ids = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self._run_all([None] * len(ids), ids, sampling_params, use_tqdm)
 
-    def _run(self, prompt: str | None, ids: list[int], params: SamplingParams) -> RequestOutput:
-        out = RequestOutput(prompt, ids, [CompletionOutput()])
-        for _ in self.stream(ids, params, out):
-            pass
-        return out
+    def _run_all(self, texts: list[str | None], ids: list[list[int]], params, use_tqdm: bool = False):
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(ids)
+        if len(params) != len(ids):
+            raise TinyVLLMError(f"{len(ids)} prompts but {len(params)} SamplingParams; give one, or one per prompt")
+        seqs = [self.add_request(i, p) for i, p in zip(ids, params)]
+        with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.llm_engine.has_work():
+                for seq, _ in self.llm_engine.step():
+                    bar.update(seq.status is Status.FINISHED)
+        return [_output(t, s) for t, s in zip(texts, seqs)]
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue one request in the engine (checked first: an impossible one is refused before it starts)."""
+        self._check_prompt(prompt_ids)
+        seq = self.llm_engine.add_request(prompt_ids, params)
+        if blocks_for(len(seq.prompt_ids) + seq.max_tokens) > self.cache.num_blocks:
+            self.llm_engine.abort(seq)
+            need = len(seq.prompt_ids) + seq.max_tokens
+            raise TinyVLLMError(f"this request may need {need} tokens of KV cache ({blocks_for(need)} blocks) "
+                                f"but the pool holds {self.cache.num_blocks} blocks of {BLOCK_SIZE}; "
+                                "lower max_tokens or give the cache more memory")
+        return seq
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                out: RequestOutput | None = None) -> Iterator[str]:
-        """Generate for one prompt, yielding text as soon as it is complete UTF-8 and past any stop string."""
-        self._check_prompt(prompt_ids)
-        out = out or RequestOutput(None, prompt_ids, [CompletionOutput()])
-        completion, timings = out.outputs[0], out.timings
-        budget = self.max_model_len - len(prompt_ids)
-        max_tokens = min(params.max_tokens or budget, budget)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
-        rng = np.random.default_rng(params.seed)
-        decoder, held = IncrementalDecoder(self.tokenizer), ""  # held: text that may start a stop string
-        hold = max((len(s) for s in params.stop), default=1) - 1
-
-        seq, start = self._start_sequence(len(prompt_ids) + max_tokens), time.perf_counter()
-        try:  # whatever happens (done, error, the caller stops iterating), the blocks go back to the pool
-            logits, _ = prefill(self.engine, prompt_ids, cache=self.cache, seq=seq)
-            timings["prefill_s"] = time.perf_counter() - start
-            stopped_by_string = False
-            while True:
-                token = sample(logits, params, rng)  # on the logits' device: only the id crosses to the host
-                completion.token_ids.append(token)
-                if token in stop_ids:
-                    completion.finish_reason = "stop"
-                    break
-                held += decoder.feed(token)
-                cut = min((i for i in (held.find(s) for s in params.stop) if i >= 0), default=-1)
-                if cut >= 0:  # a stop string ends the text exactly where it begins
-                    held, stopped_by_string, completion.finish_reason = held[:cut], True, "stop"
-                    break
-                keep = max(len(held) - hold, 0)  # the last `hold` chars may be the start of a stop string
-                ready, held = held[:keep], held[keep:]
-                completion.text += ready
-                if ready:
-                    yield ready
-                if len(completion.token_ids) >= max_tokens:
-                    completion.finish_reason = "length"
-                    break
-                logits = decode_step(self.engine, [token], self.cache, [seq])[0]
+        """Generate for one prompt, yielding text as soon as it is complete UTF-8 and past any stop string.
+        Other requests in the engine advance too; closing the iterator early aborts this one."""
+        seq = self.add_request(prompt_ids, params)
+        try:
+            while seq.status is not Status.FINISHED:
+                for s, text in self.llm_engine.step():
+                    if s is seq and text:
+                        yield text
         finally:
-            self.cache.free(seq)
-        if not stopped_by_string:
-            held += decoder.flush()
-        completion.text += held
-        if held:
-            yield held
-        timings["total_s"] = time.perf_counter() - start
-        steps = len(completion.token_ids) - 1  # the first token came from the prefill's logits
-        timings["decode_s"] = timings["total_s"] - timings["prefill_s"]
-        timings["decode_tokens_per_s"] = steps / timings["decode_s"] if steps else 0.0
-
-    def _start_sequence(self, max_tokens: int) -> int:
-        """A new sequence id, once it is sure that its prompt and every token it may generate fit the pool."""
-        if blocks_for(max_tokens) > self.cache.num_blocks:
-            raise TinyVLLMError(f"this request may need {max_tokens} tokens of KV cache ({blocks_for(max_tokens)} "
-                                f"blocks) but the pool holds {self.cache.num_blocks} blocks of {BLOCK_SIZE}; "
-                                "lower max_tokens or give the cache more memory")
-        self._next_seq += 1
-        return self._next_seq
+            if seq.status is not Status.FINISHED:
+                self.llm_engine.abort(seq)
+            if out is not None:
+                out.outputs[0], out.timings = _output(None, seq).outputs[0], seq.metrics()
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -170,3 +150,8 @@ class LLM:
         bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
         if bad:
             raise TinyVLLMError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+
+
+def _output(prompt: str | None, seq: Sequence) -> RequestOutput:
+    return RequestOutput(prompt, seq.prompt_ids, [CompletionOutput(seq.text, list(seq.output_ids), seq.finish_reason)],
+                         seq.metrics())

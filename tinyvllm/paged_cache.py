@@ -46,11 +46,15 @@ def pool_blocks(cfg: LlamaConfig, ops, gpu_memory_utilization: float = 0.9,
 class PagedKVCache:
     attention = "paged_attention"  # the backend op that reads keys through block tables
 
-    def __init__(self, cfg: LlamaConfig, ops, num_blocks: int):
+    def __init__(self, cfg: LlamaConfig, ops, num_blocks: int, prefix_caching: bool = False):
         self.ops, self.num_blocks = ops, num_blocks
         shape = (cfg.num_hidden_layers, num_blocks * BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
         self.k, self.v = ops.xp.zeros(shape, ops.DTYPE), ops.xp.zeros(shape, ops.DTYPE)
-        self.blocks = block_manager.BlockManager(num_blocks)  # through the module: Exercise 6.1 plugs in here
+        if prefix_caching:  # chapter 7: full blocks named by hash, shared between prompts
+            from tinyvllm.prefix_cache import PrefixCachingBlockManager
+            self.blocks = PrefixCachingBlockManager(num_blocks)
+        else:
+            self.blocks = block_manager.BlockManager(num_blocks)  # through the module: Exercise 6.1 plugs in here
         self.lengths = self.blocks.lengths  # tokens cached per sequence: the block manager keeps the count
 
     @property
@@ -61,11 +65,11 @@ class PagedKVCache:
         """Room for `count` more tokens of sequence `seq` (new or running): their slots."""
         if seq not in self.lengths:
             return self.blocks.allocate(seq, count)
-        return np.array([self.blocks.append_slot(seq) for _ in range(count)], dtype=np.int32)
+        return self.blocks.extend(seq, count)
 
-    def lookup(self, seqs: list[int]) -> tuple:
+    def lookup(self, seqs: list[int], lengths=None) -> tuple:
         """Each decoding sequence's block table (padded with -1) and length, uploaded once per step."""
-        lengths = np.asarray([self.lengths[s] for s in seqs], dtype=np.int32)
+        lengths = np.asarray([self.lengths[s] for s in seqs] if lengths is None else lengths, dtype=np.int32)
         return self.ops.to_device(self.blocks.block_tables(seqs)), self.ops.to_device(lengths)
 
     def free(self, seq: int) -> None:

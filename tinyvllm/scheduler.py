@@ -1,0 +1,89 @@
+"""Chapter 7: the scheduler — which sequences run in the next step.
+
+Each step it answers two questions, in this order:
+  1. Can every running sequence decode one more token? Each may need a new block. When the pool is
+     empty, the YOUNGEST running sequence is preempted: its blocks go back to the pool and it goes to
+     the front of the queue, to be recomputed from its tokens (prompt + output so far) later.
+  2. Which waiting sequences start now? In arrival order (FIFO: nobody is overtaken), while there is a
+     free slot (max_num_seqs), room in the step's token budget (max_num_batched_tokens) and blocks
+     for the prompt. The first that does not fit stops admission, so a long prompt is not starved.
+A finished sequence leaves the running set (and its blocks the pool) before the next step is planned,
+so its slot is refilled in that very step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tinyvllm.errors import TinyVLLMError
+from tinyvllm.sequence import Sequence, Status
+
+
+@dataclass
+class Step:
+    prefills: list[Sequence] = field(default_factory=list)   # admitted now: their tokens go through prefill
+    decodes: list[Sequence] = field(default_factory=list)    # running: one token each
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, blocks, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks                     # the cache's block manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []        # in admission order: the last one is the youngest
+
+    def add(self, seq: Sequence) -> None:
+        if len(seq) > self.max_num_batched_tokens:
+            raise TinyVLLMError(f"the prompt has {len(seq)} tokens; a step takes at most "
+                                f"{self.max_num_batched_tokens} (max_num_batched_tokens)")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Step:
+        step = Step()
+        for seq in list(self.running):           # oldest first: the oldest are the last to be preempted
+            if seq.status is not Status.RUNNING:
+                continue                         # preempted a moment ago for an older sequence
+            while not self.blocks.can_append(seq.seq_id):
+                victim = self.running[-1]
+                self._preempt(victim)
+                step.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                step.decodes.append(seq)
+        if not step.preempted:                   # the pool just ran dry: admit nobody this step
+            self._admit(step)
+        return step
+
+    def _admit(self, step: Step) -> None:
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if len(seq) > budget or not self.blocks.can_admit(seq.token_ids):
+                break                            # FIFO: the head waits for room, nobody overtakes it
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            seq.num_cached = self.blocks.admit(seq.seq_id, seq.token_ids)  # prefix-cache hit, in tokens
+            budget -= len(seq) - seq.num_cached
+            self.running.append(seq)
+            step.prefills.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: free everything now, redo the prefill of all its tokens later."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status, seq.preemptions = Status.WAITING, seq.preemptions + 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """A finished (or aborted) sequence gives its slot and its blocks back at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED

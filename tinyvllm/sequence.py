@@ -1,0 +1,92 @@
+"""Chapter 7: one request as the scheduler sees it — its tokens, its sampling state, its text so far.
+
+A sequence is WAITING (queued, or preempted and queued again), RUNNING (its K/V are in the cache and it
+decodes one token per step) or FINISHED. Its text is built token by token: complete UTF-8 only, and
+never past a stop string (the last few characters are held back until they cannot start one).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from tinyvllm.sampling import SamplingParams
+from tinyvllm.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                    # params.max_tokens, capped by the context window
+    stop_ids: set[int]
+    decoder: IncrementalDecoder
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""                     # released text: complete characters, no stop string
+    held: str = ""                     # decoded but held back: it may be the start of a stop string
+    status: Status = Status.WAITING
+    finish_reason: str | None = None   # "stop" or "length"
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+    num_cached: int = 0                # tokens found in the prefix cache when it was last admitted
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.params.seed)  # its own generator: a seed means the same tokens
+
+    @classmethod
+    def create(cls, seq_id: int, prompt_ids: list[int], params: SamplingParams, max_model_len: int,
+               stop_ids: set[int], tokenizer: Tokenizer) -> Sequence:
+        room = max_model_len - len(prompt_ids)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else stop_ids)
+        return cls(seq_id, list(prompt_ids), params, min(params.max_tokens or room, room), stops,
+                   IncrementalDecoder(tokenizer))
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Everything the model has seen or produced: what a preempted sequence recomputes."""
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def append(self, token: int) -> str:
+        """Record a sampled token; returns the text it releases (possibly ""). Sets finish_reason when done."""
+        now = time.perf_counter()
+        self.first_token_time = self.first_token_time or now
+        self.output_ids.append(token)
+        if token in self.stop_ids:                     # a stop token ends the output and is not text
+            return self._finish("stop", self.held + self.decoder.flush(), now)
+        self.held += self.decoder.feed(token)
+        cut = min((i for i in (self.held.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        if cut >= 0:                                   # a stop string ends the text exactly where it begins
+            return self._finish("stop", self.held[:cut], now)
+        if len(self.output_ids) >= self.max_tokens:
+            return self._finish("length", self.held + self.decoder.flush(), now)
+        hold = max((len(s) for s in self.params.stop), default=1) - 1  # chars that may start a stop string
+        ready, self.held = self.held[:max(len(self.held) - hold, 0)], self.held[max(len(self.held) - hold, 0):]
+        self.text += ready
+        return ready
+
+    def _finish(self, reason: str, rest: str, now: float) -> str:
+        self.finish_reason, self.status, self.finish_time, self.held = reason, Status.FINISHED, now, ""
+        self.text += rest
+        return rest
+
+    def metrics(self) -> dict[str, float]:
+        """Seconds to the first token, and per output token after it (vLLM's TTFT and TPOT)."""
+        ttft = (self.first_token_time or self.arrival_time) - self.arrival_time
+        after = len(self.output_ids) - 1
+        tpot = (self.finish_time - self.first_token_time) / after if after > 0 and self.finish_time else 0.0
+        return {"time_to_first_token_s": ttft, "time_per_output_token_s": tpot,
+                "decode_tokens_per_s": 1 / tpot if tpot else 0.0, "preemptions": self.preemptions}
