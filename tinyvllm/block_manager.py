@@ -85,9 +85,14 @@ class BlockManager:
         self.lengths[seq] += count
         return self.slot_mapping(seq, self.lengths[seq] - count, count)
 
-    # Without prefix caching (chapter 7), nothing is ever cached: a prompt needs blocks for all of it.
-    def can_admit(self, token_ids: list[int]) -> bool:
-        return self.can_allocate(len(token_ids))
+    # What the scheduler (chapter 7) plans with: how many free blocks a step would consume
+    def blocks_to_append(self, seq: int) -> int:
+        """1 if the sequence's next token opens a new block, else 0."""
+        return int(self.lengths[seq] % BLOCK_SIZE == 0)
+
+    def blocks_to_admit(self, token_ids: list[int]) -> int:
+        """Free blocks a new prompt takes; without prefix caching, nothing is shared: all of them."""
+        return blocks_for(len(token_ids))
 
     def admit(self, seq: int, token_ids: list[int]) -> int:
         """Start a sequence; returns how many of its tokens are already in the cache (none, here)."""

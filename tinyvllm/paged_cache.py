@@ -48,7 +48,10 @@ class PagedKVCache:
 
     def __init__(self, cfg: LlamaConfig, ops, num_blocks: int, prefix_caching: bool = False):
         self.ops, self.num_blocks = ops, num_blocks
-        shape = (cfg.num_hidden_layers, num_blocks * BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+        # one block more than the manager hands out: a scratch block that padding rows of a CUDA graph's
+        # batch (chapter 7) may write to and read from, so they never touch a real sequence's K/V
+        self.scratch_block = num_blocks
+        shape = (cfg.num_hidden_layers, (num_blocks + 1) * BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
         self.k, self.v = ops.xp.zeros(shape, ops.DTYPE), ops.xp.zeros(shape, ops.DTYPE)
         if prefix_caching:  # chapter 7: full blocks named by hash, shared between prompts
             from tinyvllm.prefix_cache import PrefixCachingBlockManager

@@ -97,8 +97,9 @@ def run_layers(model: Model, ids, positions, slots, cache, attend, on_layer=None
     return residual, delta
 
 
-def final_logits(model: Model, residual, delta, rows):
-    """Final norm and lm_head for the rows that sample (a slice, or the row index of each prompt's end)."""
+def final_logits(model: Model, residual, delta, rows, out=None):
+    """Final norm and lm_head for the rows that sample (a slice, or the row index of each prompt's end);
+    into `out` (rows, vocab) fp32 if given (a CUDA graph's static output), else a new array."""
     ops, eps = model.ops, model.cfg.rms_norm_eps
     if isinstance(rows, slice):
         residual, delta, normed = residual[rows], delta[rows], model.buffers["normed"][rows]
@@ -106,6 +107,6 @@ def final_logits(model: Model, residual, delta, rows):
         index = ops.to_device(np.asarray(rows, dtype=np.int64))
         residual, delta, normed = residual[index], delta[index], model.buffers["normed"][:len(rows)]
     ops.add_rms_norm(residual, delta, model.final_norm, normed, eps)
-    logits = ops.xp.empty((len(normed), model.cfg.vocab_size), dtype=np.float32)
+    logits = ops.xp.empty((len(normed), model.cfg.vocab_size), dtype=np.float32) if out is None else out
     ops.gemm(normed, model.lm_head, logits)
     return logits

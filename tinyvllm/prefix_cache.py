@@ -47,10 +47,12 @@ class PrefixCachingBlockManager(BlockManager):
             shared.append(self.cached[h])
         return shared
 
-    def can_admit(self, token_ids: list[int]) -> bool:
+    def blocks_to_admit(self, token_ids: list[int]) -> int:
+        """Free blocks a new prompt takes: its uncached tail, plus cached blocks that were evictable
+        (they count as free now and will not be once shared)."""
         shared = self.cached_prefix(token_ids)
-        reviving = sum(self.ref_counts[b] == 0 for b in shared)  # evictable now, in use once shared
-        return blocks_for(len(token_ids)) - len(shared) <= self.num_free - reviving
+        reviving = sum(self.ref_counts[b] == 0 for b in shared)
+        return blocks_for(len(token_ids)) - len(shared) + reviving
 
     def admit(self, seq: int, token_ids: list[int]) -> int:
         """Start a sequence on the cached blocks of its prefix; returns how many of its tokens they hold."""

@@ -54,20 +54,23 @@ def sample(logits, params: SamplingParams, rng: np.random.Generator) -> int:
     z = logits.astype(xp.float64) / params.temperature  # float64: exp of large logits stays accurate
     probs = xp.exp(z - z.max())
     probs /= probs.sum()
-    order = xp.argsort(-probs, kind="stable") if xp is np else xp.argsort(-probs)  # most likely first
-    sorted_probs = probs[order]
-    keep = xp.ones(sorted_probs.shape, dtype=bool)
-    if params.top_k > 0:
-        keep[params.top_k:] = False
-    if params.min_p > 0:
-        keep &= sorted_probs >= params.min_p * sorted_probs[0]
-    if params.top_p < 1:  # as vLLM: top-p measures mass among the tokens top-k and min-p kept
-        kept = xp.where(keep, sorted_probs, 0.0) / sorted_probs[keep].sum()
-        keep &= (xp.cumsum(kept) - kept) < params.top_p  # keep a token if the mass before it is below top_p
-    cdf = xp.cumsum(xp.where(keep, sorted_probs, 0.0))
+    if params.top_k <= 0 and params.min_p == 0 and params.top_p == 1:  # nothing to cut: no sort needed
+        order, cdf, kept = None, xp.cumsum(probs), len(probs)
+    else:
+        order = xp.argsort(-probs, kind="stable") if xp is np else xp.argsort(-probs)  # most likely first
+        sorted_probs = probs[order]
+        keep = xp.ones(sorted_probs.shape, dtype=bool)
+        if params.top_k > 0:
+            keep[params.top_k:] = False
+        if params.min_p > 0:
+            keep &= sorted_probs >= params.min_p * sorted_probs[0]
+        if params.top_p < 1:  # as vLLM: top-p measures mass among the tokens top-k and min-p kept
+            mass = xp.where(keep, sorted_probs, 0.0) / sorted_probs[keep].sum()
+            keep &= (xp.cumsum(mass) - mass) < params.top_p  # keep a token if the mass before it is below top_p
+        cdf, kept = xp.cumsum(xp.where(keep, sorted_probs, 0.0)), int(keep.sum())
     u = rng.random() * float(cdf[-1])  # the one number that crosses from the host
-    i = min(int(xp.searchsorted(cdf, u, side="right")), int(keep.sum()) - 1)  # never a dropped token
-    return int(order[i])
+    i = min(int(xp.searchsorted(cdf, u, side="right")), kept - 1)  # never past the kept tokens
+    return int(i if order is None else order[i])
 
 
 def array_module(a):

@@ -43,41 +43,45 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Step:
-        step = Step()
-        for seq in list(self.running):           # oldest first: the oldest are the last to be preempted
+        step, free = Step(), self.blocks.num_free      # free: blocks not yet promised to anyone this step
+        for seq in list(self.running):                 # oldest first: the oldest are the last to be preempted
             if seq.status is not Status.RUNNING:
-                continue                         # preempted a moment ago for an older sequence
-            while not self.blocks.can_append(seq.seq_id):
-                victim = self.running[-1]
-                self._preempt(victim)
+                continue                               # preempted a moment ago for an older sequence
+            need = self.blocks.blocks_to_append(seq.seq_id)
+            while need > free and seq.status is Status.RUNNING:
+                victim = self.running[-1]              # the youngest (perhaps seq itself)
+                free += self._preempt(victim)
                 step.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if seq.status is Status.RUNNING:
+                free -= need
                 step.decodes.append(seq)
-        if not step.preempted:                   # the pool just ran dry: admit nobody this step
-            self._admit(step)
+        if not step.preempted:                         # the pool just ran dry: admit nobody this step
+            self._admit(step, free)
         return step
 
-    def _admit(self, step: Step) -> None:
+    def _admit(self, step: Step, free: int) -> None:
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if len(seq) > budget or not self.blocks.can_admit(seq.token_ids):
-                break                            # FIFO: the head waits for room, nobody overtakes it
+            need = self.blocks.blocks_to_admit(seq.token_ids)
+            if len(seq) > budget or need > free:
+                break                                  # FIFO: the head waits for room, nobody overtakes it
             self.waiting.popleft()
-            seq.status = Status.RUNNING
+            seq.status, free = Status.RUNNING, free - need
             seq.num_cached = self.blocks.admit(seq.seq_id, seq.token_ids)  # prefix-cache hit, in tokens
             budget -= len(seq) - seq.num_cached
             self.running.append(seq)
             step.prefills.append(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: free everything now, redo the prefill of all its tokens later."""
+    def _preempt(self, seq: Sequence) -> int:
+        """Preemption by recompute: free everything now, redo the prefill of all its tokens later.
+        Returns how many blocks came free."""
+        before = self.blocks.num_free
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.status, seq.preemptions = Status.WAITING, seq.preemptions + 1
         self.waiting.appendleft(seq)
+        return self.blocks.num_free - before
 
     def finish(self, seq: Sequence) -> None:
         """A finished (or aborted) sequence gives its slot and its blocks back at once."""

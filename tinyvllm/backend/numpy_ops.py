@@ -100,21 +100,19 @@ def decode_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
 def attend_in_chunks(q: np.ndarray, k: np.ndarray, v: np.ndarray, splits: int = DECODE_SPLITS) -> np.ndarray:
     """q (kv_heads, group, d) — the query heads sharing each K/V head; k, v (L, kv_heads, d). Returns
     (kv_heads, group, d): softmax(q k^T / sqrt(d)) v, computed chunk by chunk and merged."""
-    chunk = -(-len(k) // splits)  # keys per chunk; trailing chunks may be empty
-    m = np.full((splits,) + q.shape[:2], -np.inf, np.float32)   # running max per chunk and head
-    total = np.zeros_like(m)                                     # sum of exp(score - m)
-    acc = np.zeros((splits,) + q.shape, np.float32)              # sum of exp(score - m) * v
-    for i in range(splits):
-        ks, vs = k[i * chunk:(i + 1) * chunk], v[i * chunk:(i + 1) * chunk]
-        if len(ks) == 0:
-            continue
-        scores = np.einsum("hgd,thd->hgt", q, ks) / np.float32(np.sqrt(q.shape[-1]))
-        m[i] = scores.max(-1)
-        p = np.exp(scores - m[i][..., None])
-        total[i], acc[i] = p.sum(-1), np.einsum("hgt,thd->hgd", p, vs)
+    length, kv_heads, d = k.shape
+    chunk = -(-length // splits)                     # keys per chunk; trailing chunks may be empty
+    pad = splits * chunk - length
+    k = np.concatenate([k, np.zeros((pad, kv_heads, d), k.dtype)]).reshape(splits, chunk, kv_heads, d)
+    v = np.concatenate([v, np.zeros((pad, kv_heads, d), v.dtype)]).reshape(splits, chunk, kv_heads, d)
+    scores = np.einsum("hgd,sthd->shgt", q, k) / np.float32(np.sqrt(d))   # (splits, kv_heads, group, chunk)
+    padding = (np.arange(splits * chunk) >= length).reshape(splits, 1, 1, chunk)
+    scores = np.where(padding, np.float32(-np.inf), scores)               # padding keys weigh nothing
+    m = scores.max(-1)                               # each chunk's max, per head: -inf for an empty chunk
+    p = np.exp(scores - np.where(np.isfinite(m), m, 0)[..., None])
+    total, acc = p.sum(-1), np.einsum("shgt,sthd->shgd", p, v)
     # merge: rescale every chunk to the overall max, then one division
-    overall = m.max(0)
-    weight = np.exp(m - overall)                                # 0 for empty chunks (m = -inf)
+    weight = np.exp(m - m.max(0))                    # 0 for empty chunks (m = -inf)
     return (np.einsum("shg,shgd->hgd", weight, acc) / (weight * total).sum(0)[..., None]).astype(np.float32)
 
 

@@ -1,0 +1,94 @@
+"""Chapter 7 on the CPU: continuous batching must not change anyone's answer.
+
+- 16 prompts of different lengths generated together give each the greedy tokens it gets alone;
+- the same with preemption forced by a tiny pool, and with prefix caching on a shared system prompt;
+- a soak test on a tiny random model: 1,000 requests arriving at random steps, random lengths.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.models import synth_model
+from tinyvllm.sequence import Status
+
+QUESTIONS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?", "Why is the sea salty?",
+             "Write a haiku about autumn.", "List three prime numbers.", "What is Python?",
+             "Translate 'good morning' to French.", "How many legs does a spider have?",
+             "Give me a synonym for happy.", "What does a CPU do?", "Tell me a fun fact about cats.",
+             "Spell 'necessary' backwards.", "What is the boiling point of water?", "Suggest a name for a dog."]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return LLM(default_model_dir, device="cpu", num_blocks=400)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return [p + p[-5:] * (i % 4) for i, p in enumerate(ids)]  # lengths spread further apart
+
+
+@pytest.fixture(scope="module")
+def alone(llm, prompts):
+    return [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+def test_sixteen_prompts_together_equal_each_alone(llm, prompts, alone):
+    together = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in together] == alone
+    steps = llm.llm_engine.trace[-len(max(alone, key=len)) - 2:]
+    assert max(len(s["decode"]) for s in steps) == 16          # really batched: all 16 decoding at once
+    assert llm.cache.blocks.num_free == 400
+
+
+def test_preemption_in_a_tiny_pool_changes_no_answer(default_model_dir, prompts, alone):
+    tiny = LLM(default_model_dir, device="cpu", num_blocks=24)  # room for ~6 of the 16 at once
+    outs = tiny.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == alone
+    assert sum(o.timings["preemptions"] for o in outs) > 0, "the pool was meant to run out"
+    assert tiny.cache.blocks.num_free == 24 and not tiny.cache.blocks.tables
+
+
+def test_prefix_caching_on_a_shared_system_prompt(default_model_dir):
+    system = {"role": "system", "content": "You are a terse assistant for a hardware store. " * 6}
+    convs = [[system, {"role": "user", "content": q}] for q in QUESTIONS[:6]]
+    plain = LLM(default_model_dir, device="cpu", num_blocks=200)
+    cached = LLM(default_model_dir, device="cpu", num_blocks=200, enable_prefix_caching=True)
+    expected = [o.token_ids for o in plain.chat(convs, GREEDY)]
+    first = cached.chat(convs[:1], GREEDY)                 # fills the cache with the system prompt's blocks
+    rest = cached.chat(convs[1:], GREEDY)
+    assert [o.token_ids for o in first + rest] == expected
+    blocks = cached.cache.blocks
+    assert blocks.hits >= 5 * (len(cached.tokenizer.apply_chat_template(convs[0][:1])) // 16)
+    assert blocks.num_free == 200 and not blocks.tables     # cached blocks are evictable, so they count as free
+
+
+@pytest.mark.slow
+def test_soak_thousand_requests_random_arrivals(tmp_path):
+    """A tiny model, 1,000 requests with random prompt and output lengths arriving over the steps: every
+    one completes with exactly its tokens, nobody is overtaken at admission, the pool ends full."""
+    path = synth_model("llama-3.2-1b", tmp_path / "tiny", seed=1, num_hidden_layers=2, hidden_size=64,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    llm = LLM(path, device="cpu", num_blocks=120, max_num_seqs=48, max_num_batched_tokens=512)
+    engine, rng = llm.llm_engine, np.random.default_rng(0)
+    arrivals = np.sort(rng.integers(0, 600, 1000))
+    pending, seqs, admitted = list(range(1000)), [], []
+    step = 0
+    while pending or engine.has_work():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            prompt = rng.integers(0, llm.config.vocab_size, int(rng.integers(1, 200))).tolist()
+            params = SamplingParams(temperature=float(rng.choice([0, 0.8])), max_tokens=int(rng.integers(1, 40)),
+                                    ignore_eos=True, seed=i)
+            seqs.append(llm.add_request(prompt, params))
+        engine.step()
+        admitted += [s for s in engine.trace[-1]["prefill"] if s not in admitted]
+        step += 1
+    assert all(s.status is Status.FINISHED and len(s.output_ids) == s.params.max_tokens for s in seqs)
+    assert admitted == sorted(admitted), "a request was admitted before one that arrived earlier"
+    assert llm.cache.blocks.num_free == 120 and not llm.cache.blocks.tables
+    assert any(t["preempted"] for t in engine.trace), "the soak was meant to preempt"
