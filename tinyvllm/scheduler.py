@@ -49,29 +49,15 @@ class Scheduler:
                 continue                               # preempted a moment ago for an older sequence
             need = self.blocks.blocks_to_append(seq.seq_id)
             while need > free and seq.status is Status.RUNNING:
-                victim = self.running[-1]              # the youngest (perhaps seq itself)
+                victim = choose_victim(self.running)   # the youngest (perhaps seq itself)
                 free += self._preempt(victim)
                 step.preempted.append(victim)
             if seq.status is Status.RUNNING:
                 free -= need
                 step.decodes.append(seq)
         if not step.preempted:                         # the pool just ran dry: admit nobody this step
-            self._admit(step, free)
+            admit(self, step, free)
         return step
-
-    def _admit(self, step: Step, free: int) -> None:
-        budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            need = self.blocks.blocks_to_admit(seq.token_ids)
-            if len(seq) > budget or need > free:
-                break                                  # FIFO: the head waits for room, nobody overtakes it
-            self.waiting.popleft()
-            seq.status, free = Status.RUNNING, free - need
-            seq.num_cached = self.blocks.admit(seq.seq_id, seq.token_ids)  # prefix-cache hit, in tokens
-            budget -= len(seq) - seq.num_cached
-            self.running.append(seq)
-            step.prefills.append(seq)
 
     def _preempt(self, seq: Sequence) -> int:
         """Preemption by recompute: free everything now, redo the prefill of all its tokens later.
@@ -91,3 +77,29 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+
+
+# The two decisions, as module-level functions (chapter 7's exercises replace them)
+
+def admit(scheduler: Scheduler, step: Step, free: int) -> None:
+    """Move waiting sequences to running, in arrival order, while each fits: a free slot (max_num_seqs),
+    room in the step's token budget, and `free` blocks (those not yet promised this step). Each one
+    admitted goes into step.prefills; the first that does not fit ends admission (FIFO)."""
+    budget = scheduler.max_num_batched_tokens
+    while scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
+        seq = scheduler.waiting[0]
+        need = scheduler.blocks.blocks_to_admit(seq.token_ids)
+        if len(seq) > budget or need > free:
+            break                                      # the head waits for room, nobody overtakes it
+        scheduler.waiting.popleft()
+        seq.status, free = Status.RUNNING, free - need
+        seq.num_cached = scheduler.blocks.admit(seq.seq_id, seq.token_ids)  # prefix-cache hit, in tokens
+        budget -= len(seq) - seq.num_cached
+        scheduler.running.append(seq)
+        step.prefills.append(seq)
+
+
+def choose_victim(running: list[Sequence]) -> Sequence:
+    """Which running sequence to preempt: the youngest (admitted last) — it has the least work to redo
+    and the oldest keep their place, so every sequence eventually finishes."""
+    return running[-1]
