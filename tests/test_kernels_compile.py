@@ -19,12 +19,14 @@ INSTANCES = {  # (head_dim, query heads per K/V head): Llama 3.2 1B/3B, 3.1 8B, 
     "decode_attention": [f"template __global__ void decode_attention<{d}, {g}>({DECODE_ARGS});\n"
                          for d, g in SHAPES],
     "paged_attention": [f"template __global__ void paged_attention<{d}, {g}>({PAGED_ARGS});\n" for d, g in SHAPES],
+    "gemv": [f"template __global__ void gemv<{n}, {f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, int, "
+             f"int);\n" for n in range(1, 9) for f in ("true", "false")],
 }
 
 
 def test_there_are_kernels():
     assert {"embedding", "rms_norm", "rope", "prefill_attention", "swiglu", "argmax", "store_kv",
-            "decode_attention", "paged_attention"} <= {k.stem for k in KERNELS}
+            "decode_attention", "paged_attention", "gemv"} <= {k.stem for k in KERNELS}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check kernels)")

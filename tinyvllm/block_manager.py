@@ -72,15 +72,23 @@ class BlockManager:
         return self.lengths[seq] % BLOCK_SIZE != 0 or self.num_free > 0
 
     def append_slot(self, seq: int) -> int:
-        """The slot of sequence seq's next token, taking a new block when the last one is full."""
-        return int(self.extend(seq, 1)[0])
+        """The slot of sequence seq's next token, taking a new block when the last one is full.
+        (Plain Python: decode calls it for every running sequence at every step.)"""
+        length, table = self.lengths[seq], self.tables[seq]
+        if length % BLOCK_SIZE == 0:
+            if not self.num_free:
+                raise OutOfBlocks(f"sequence {seq} needs a new block at token {length}; "
+                                  f"all {self.num_blocks} blocks are taken")
+            table.append(self._take())
+        self.lengths[seq] = length + 1
+        return table[length // BLOCK_SIZE] * BLOCK_SIZE + length % BLOCK_SIZE
 
     def extend(self, seq: int, count: int) -> np.ndarray:
         """Slots for `count` more tokens of a sequence that has blocks, taking new blocks as needed."""
         needed = blocks_for(self.lengths[seq] + count) - len(self.tables[seq])
         if needed > self.num_free:
-            raise OutOfBlocks(f"sequence {seq} needs a new block at token {self.lengths[seq]}; "
-                              f"all {self.num_blocks} blocks are taken")
+            raise OutOfBlocks(f"sequence {seq} needs {needed} new blocks at token {self.lengths[seq]}; "
+                              f"{self.num_free} of {self.num_blocks} are free")
         self.tables[seq] += [self._take() for _ in range(needed)]
         self.lengths[seq] += count
         return self.slot_mapping(seq, self.lengths[seq] - count, count)

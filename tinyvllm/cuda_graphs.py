@@ -55,7 +55,7 @@ class GraphedDecode:
         """This step's inputs as host arrays of `size` rows; padding rows point at the scratch block."""
         cache, scratch, pad = self.cache, self.cache.scratch_block, size - len(tokens)
         positions = [cache.lengths[s] for s in seqs]
-        slots = np.concatenate([cache.append(s, 1) for s in seqs])
+        slots = [cache.append_token(s) for s in seqs]
         tables = np.full((size, self.tables.shape[1]), scratch, np.int32)
         used = cache.blocks.block_tables(seqs)
         tables[:len(seqs), :used.shape[1]] = np.where(used < 0, scratch, used)

@@ -25,7 +25,7 @@ def decode_step(model: Model, tokens: list[int], cache, seqs: list[int]):
     return the next-token logits, (n, vocab) fp32 on the model's device."""
     ops, H = model.ops, model.cfg.num_attention_heads
     positions = [cache.lengths[s] for s in seqs]          # the new token's position = tokens cached so far
-    slots = np.concatenate([cache.append(s, 1) for s in seqs])  # attention below sees the new token too
+    slots = [cache.append_token(s) for s in seqs]         # attention below sees the new token too
     ids, positions, slots = (ops.to_device(np.asarray(a, dtype=np.int32)) for a in (tokens, positions, slots))
     where = cache.lookup(seqs)                            # where each sequence's keys are: once per step
     attention = getattr(ops, cache.attention)             # decode_attention, or paged_attention (chapter 6)

@@ -14,6 +14,7 @@ import itertools
 
 import numpy as np
 
+from tinyvllm.block_manager import BLOCK_SIZE
 from tinyvllm.decode import decode_step
 from tinyvllm.model import Model
 from tinyvllm.paged_cache import PagedKVCache
@@ -35,9 +36,10 @@ class Engine:
         self._ids = itertools.count()
         self.trace: list[dict] = []   # per step: who prefilled, who decoded, who was preempted (for plots)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
+        """Queue a request; stream=False decodes its text once at the end (cheaper with many requests)."""
         seq = Sequence.create(next(self._ids), prompt_ids, params, self.model.max_model_len, self.stop_ids,
-                              self.tokenizer)
+                              self.tokenizer, incremental=stream)
         self.scheduler.add(seq)
         return seq
 
@@ -55,23 +57,25 @@ class Engine:
         if plan.prefills:
             prompts = [s.token_ids[s.num_cached:] for s in plan.prefills]  # a cached prefix is not recomputed
             logits = prefill_batch(self.model, prompts, self.cache, [s.seq_id for s in plan.prefills])
-            released += self._append_tokens(plan.prefills, logits)
+            released += self._append_tokens(plan.prefills, logits, prefilled=True)
         if plan.decodes:
             logits = self.decode([s.token_ids[-1] for s in plan.decodes], [s.seq_id for s in plan.decodes])
-            released += self._append_tokens(plan.decodes, logits)
+            released += self._append_tokens(plan.decodes, logits, prefilled=False)
         self.trace.append({"prefill": [s.seq_id for s in plan.prefills], "decode": [s.seq_id for s in plan.decodes],
                            "preempted": [s.seq_id for s in plan.preempted], "free_blocks": self.cache.blocks.num_free})
         return released
 
-    def _append_tokens(self, seqs: list[Sequence], logits) -> list[tuple[Sequence, str]]:
+    def _append_tokens(self, seqs: list[Sequence], logits, prefilled: bool) -> list[tuple[Sequence, str]]:
         """Sample each row (greedy rows with one argmax over the batch), record, retire the finished."""
         greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
-        tokens = dict(zip(greedy, self.model.ops.to_host(logits[greedy].argmax(axis=1)).tolist())) if greedy else {}
+        rows = logits if len(greedy) == len(seqs) else logits[greedy]   # no gather when all are greedy
+        tokens = dict(zip(greedy, self.model.ops.to_host(rows.argmax(axis=1)).tolist())) if greedy else {}
+        caching = hasattr(self.cache.blocks, "cache_full_blocks")
         out = []
         for i, seq in enumerate(seqs):
             token = tokens[i] if i in tokens else sample(logits[i], seq.params, seq.rng)
             out.append((seq, seq.append(token)))
-            if hasattr(self.cache.blocks, "cache_full_blocks"):  # prefix caching: name the blocks just filled
+            if caching and (prefilled or self.cache.lengths[seq.seq_id] % BLOCK_SIZE == 0):  # blocks just filled
                 self.cache.blocks.cache_full_blocks(seq.seq_id, seq.token_ids)
             if seq.status is Status.FINISHED:
                 self.scheduler.finish(seq)

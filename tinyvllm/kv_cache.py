@@ -40,6 +40,10 @@ class ContiguousKVCache:
         self.lengths[seq] += count
         return seq * self.max_len + np.arange(start, start + count, dtype=np.int32)
 
+    def append_token(self, seq: int) -> int:
+        """The slot of one more token of a running sequence (decode's fast path)."""
+        return int(self.append(seq, 1)[0])
+
     def lookup(self, seqs: list[int], lengths=None) -> tuple:
         """Where each decoding sequence's keys are, uploaded once per step and read by every layer:
         row b's token t sits in slot starts[b] + t, for t < lengths[b]."""

@@ -103,17 +103,17 @@ class LLM:
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(ids)
         if len(params) != len(ids):
             raise TinyVLLMError(f"{len(ids)} prompts but {len(params)} SamplingParams; give one, or one per prompt")
-        seqs = [self.add_request(i, p) for i, p in zip(ids, params)]
+        seqs = [self.add_request(i, p, stream=False) for i, p in zip(ids, params)]
         with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while self.llm_engine.has_work():
                 for seq, _ in self.llm_engine.step():
                     bar.update(seq.status is Status.FINISHED)
         return [_output(t, s) for t, s in zip(texts, seqs)]
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
         """Queue one request in the engine (checked first: an impossible one is refused before it starts)."""
         self._check_prompt(prompt_ids)
-        seq = self.llm_engine.add_request(prompt_ids, params)
+        seq = self.llm_engine.add_request(prompt_ids, params, stream)
         if blocks_for(len(seq.prompt_ids) + seq.max_tokens) > self.cache.num_blocks:
             self.llm_engine.abort(seq)
             need = len(seq.prompt_ids) + seq.max_tokens

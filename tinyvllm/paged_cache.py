@@ -70,6 +70,10 @@ class PagedKVCache:
             return self.blocks.allocate(seq, count)
         return self.blocks.extend(seq, count)
 
+    def append_token(self, seq: int) -> int:
+        """The slot of one more token of a running sequence (decode's fast path)."""
+        return self.blocks.append_slot(seq)
+
     def lookup(self, seqs: list[int], lengths=None) -> tuple:
         """Each decoding sequence's block table (padded with -1) and length, uploaded once per step."""
         lengths = np.asarray([self.lengths[s] for s in seqs] if lengths is None else lengths, dtype=np.int32)

@@ -40,17 +40,18 @@ class Sequence:
     finish_time: float | None = None
     preemptions: int = 0
     num_cached: int = 0                # tokens found in the prefix cache when it was last admitted
+    incremental: bool = True           # text token by token (streaming, stop strings); else once, at the end
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)  # its own generator: a seed means the same tokens
 
     @classmethod
     def create(cls, seq_id: int, prompt_ids: list[int], params: SamplingParams, max_model_len: int,
-               stop_ids: set[int], tokenizer: Tokenizer) -> Sequence:
+               stop_ids: set[int], tokenizer: Tokenizer, incremental: bool = True) -> Sequence:
         room = max_model_len - len(prompt_ids)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else stop_ids)
         return cls(seq_id, list(prompt_ids), params, min(params.max_tokens or room, room), stops,
-                   IncrementalDecoder(tokenizer))
+                   IncrementalDecoder(tokenizer), incremental=incremental or bool(params.stop))
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,6 +66,12 @@ class Sequence:
         now = time.perf_counter()
         self.first_token_time = self.first_token_time or now
         self.output_ids.append(token)
+        if not self.incremental:                       # the text is decoded once, when the sequence ends
+            if token in self.stop_ids or len(self.output_ids) >= self.max_tokens:
+                ids = self.output_ids[:-1] if token in self.stop_ids else self.output_ids
+                reason = "stop" if token in self.stop_ids else "length"
+                return self._finish(reason, self.decoder.tokenizer.decode(ids), now)
+            return ""
         if token in self.stop_ids:                     # a stop token ends the output and is not text
             return self._finish("stop", self.held + self.decoder.flush(), now)
         self.held += self.decoder.feed(token)

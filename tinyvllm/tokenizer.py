@@ -155,11 +155,11 @@ class IncrementalDecoder:
     """Streams text from ids fed one at a time, holding back bytes of an unfinished UTF-8 character."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        return self._utf8.decode(self._tokenizer.decode_bytes([token_id]))
+        return self._utf8.decode(self.tokenizer.decode_bytes([token_id]))
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)

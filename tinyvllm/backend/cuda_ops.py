@@ -11,7 +11,7 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 
-from tinyvllm.gemm import gemm_cublas as gemm  # noqa: F401  (part of the backend's interface)
+from tinyvllm.gemm import gemm_cublas
 
 xp = cp
 DTYPE = np.uint16  # bf16 bits
@@ -27,6 +27,21 @@ def kernel(file: str, name: str) -> cp.RawKernel:
     templates = (name,) if "<" in name else None
     module = cp.RawModule(code=source, options=("-std=c++17", f"-I{KERNELS_DIR}"), name_expressions=templates)
     return module.get_function(name)
+
+
+GEMV_MAX_ROWS = 8  # up to this many rows (decode at small batch), gemm streams weights with kernels/gemv.cu
+
+
+def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
+    """out (T, N) = x (T, K) @ w (N, K)^T: cuBLAS (chapter 4), or for a few rows the gemv kernel (chapter 5)."""
+    T, K = x.shape
+    if T > GEMV_MAX_ROWS or K % 8:
+        return gemm_cublas(x, w, out)
+    assert x.strides == w.strides == (2 * K, 2) and out.strides[1] == out.itemsize and out.shape == (T, w.shape[0])
+    f32 = out.dtype == np.float32
+    N = w.shape[0]
+    kernel("gemv", f"gemv<{T}, {'true' if f32 else 'false'}>")(
+        ((N + 7) // 8,), (256,), (x, w, out, np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
 
 
 def blob(nbytes: int) -> cp.ndarray:

@@ -26,3 +26,14 @@ __device__ __forceinline__ float block_sum(float v) {
     __syncthreads();
     return partial[0];
 }
+
+// 8 bf16 values, loaded as one 16-byte vector, to fp32
+__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* out) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}

@@ -18,16 +18,6 @@
 constexpr int DECODE_THREADS = 256;
 constexpr int DECODE_UNROLL = 4;
 
-__device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* out) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float2 f = __bfloat1622float2(pairs[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
-}
-
 // q: the GROUP query heads of this K/V head (GROUP * HEAD_DIM bf16, contiguous); out: same shape.
 // k_cache/v_cache: (slots, num_kv_heads, HEAD_DIM), already offset to this block's K/V head.
 template <int HEAD_DIM, int GROUP, typename SlotOf>
