@@ -74,6 +74,8 @@ def hf_continuous(hf, prompts, outputs) -> tuple[float, int]:
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=m)
         done, tokens = 0, 0
         while done < len(prompts):
+            if time.perf_counter() - start > 400:
+                raise TimeoutError(f"transformers' continuous batching finished {done} requests in 400 s")
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 done, tokens = done + 1, tokens + len(result.generated_tokens)
