@@ -224,3 +224,23 @@ def test_debug_shows_the_traceback(tmp_path, where):
     run = tinyvllm(*(["--debug", *args] if where == "before" else [*args, "--debug"]), check=False)
     assert run.returncode != 0
     assert "Traceback" in run.stderr and "TinyVLLMError: model path" in run.stderr
+
+
+def test_generate_several_prompts_and_a_file_in_input_order(tmp_path, default_model_dir):
+    """Three prompts (two from a file, blank lines skipped) batched together: each answer is what the
+    same prompt gets alone."""
+    prompts = ["What is 2+2?", "Name a color.", "Say hello."]
+    (tmp_path / "p.txt").write_text(f"{prompts[1]}\n\n{prompts[2]}\n")
+    run = tinyvllm("generate", prompts[0], "--file", str(tmp_path / "p.txt"), "--json", "--max-tokens", "10",
+                   "--device", "cpu")
+    together = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(together) == 3
+    for prompt, out in zip(prompts, together):
+        alone = json.loads(tinyvllm("generate", prompt, "--json", "--max-tokens", "10", "--device", "cpu").stdout)
+        assert out["token_ids"] == alone["token_ids"] and out["text"] == alone["text"], prompt
+
+
+def test_generate_without_a_prompt_or_with_a_missing_file_is_one_line(tmp_path):
+    for args, message in [((), "give a prompt"), (("--file", str(tmp_path / "nope.txt")), "cannot read --file")]:
+        run = tinyvllm("generate", *args, check=False)
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr

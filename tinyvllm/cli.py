@@ -38,15 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, buffers and the KV cache")
 
-    gen = sub.add_parser("generate", parents=[debug, engine], help="answer a prompt, streaming the text")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", parents=[debug, engine],
+                         help="answer a prompt, streaming the text (several prompts: batched together)")
+    gen.add_argument("prompt", nargs="*", help="one or more prompts")
+    gen.add_argument("--file", help="a text file with one prompt per line (added after the PROMPT arguments)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--max-tokens", type=_positive_int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
 
     chat = sub.add_parser("chat", parents=[debug, engine], help="talk with the model, one line per turn (/reset, /exit)")
     chat.add_argument("--system", default=None, help="a system prompt, kept for the whole conversation")
@@ -86,28 +88,55 @@ def build_llm(args):
 
 
 def cmd_generate(args) -> None:
-    from tinyvllm.llm import CompletionOutput, RequestOutput
     from tinyvllm.sampling import SamplingParams
 
+    prompts = list(args.prompt) + (_read_prompts(args.file) if args.file else [])
+    if not prompts:
+        raise TinyVLLMError("give a prompt, or --file with one prompt per line")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     llm = build_llm(args)
     tok = llm.tokenizer
-    messages = [{"role": "user", "content": args.prompt}]
-    prompt_ids = tok.encode(args.prompt) if args.raw else tok.apply_chat_template(messages)
-    out = RequestOutput(args.prompt, prompt_ids, [CompletionOutput()])
+    ids = [tok.encode(p) if args.raw else tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    if len(prompts) == 1:
+        return _stream_one(llm, prompts[0], ids[0], params, args.json)
+    outputs = llm.generate(ids, params, use_tqdm=not args.json)  # all at once, through the scheduler
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        out.prompt = prompt
+        if args.json:
+            print(json.dumps(_as_json(out), ensure_ascii=False))
+        else:
+            print(f"### {i + 1}. {prompt}\n{out.text}\n")
+
+
+def _stream_one(llm, prompt: str, prompt_ids: list[int], params, as_json: bool) -> None:
+    from tinyvllm.llm import CompletionOutput, RequestOutput
+    out = RequestOutput(prompt, prompt_ids, [CompletionOutput()])
     for text in llm.stream(prompt_ids, params, out):
-        if not args.json:
+        if not as_json:
             print(text, end="", flush=True)
     t = out.timings
-    if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": prompt_ids,
-                          "finish_reason": out.outputs[0].finish_reason, "timings": t}, ensure_ascii=False))
+    if as_json:
+        print(json.dumps(_as_json(out), ensure_ascii=False))
     else:
         print(f"\n\n[{len(prompt_ids)} prompt tokens, first token after {t['time_to_first_token_s']:.2f} s, "
-              f"{len(out.token_ids)} generated "
-              f"at {t['decode_tokens_per_s']:.1f} tokens/s, finish: {out.outputs[0].finish_reason}]",
-              file=sys.stderr)
+              f"{len(out.token_ids)} generated at {t['decode_tokens_per_s']:.1f} tokens/s, "
+              f"finish: {out.outputs[0].finish_reason}]", file=sys.stderr)
+
+
+def _as_json(out) -> dict:
+    return {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+            "finish_reason": out.outputs[0].finish_reason, "timings": out.timings}
+
+
+def _read_prompts(path: str) -> list[str]:
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise TinyVLLMError(f"cannot read --file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise TinyVLLMError(f"--file {path} is not UTF-8 text") from None
+    return [line for line in lines if line.strip()]
 
 
 def cmd_chat(args) -> None:
