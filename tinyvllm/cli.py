@@ -92,7 +92,7 @@ def cmd_generate(args) -> None:
 
     prompts = list(args.prompt) + (_read_prompts(args.file) if args.file else [])
     if not prompts:
-        raise TinyVLLMError("give a prompt, or --file with one prompt per line")
+        raise TinyVLLMError("give a prompt, or --file with one prompt per line (see python -m tinyvllm generate --help)")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     llm = build_llm(args)
