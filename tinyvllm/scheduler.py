@@ -50,6 +50,9 @@ class Scheduler:
             need = self.blocks.blocks_to_append(seq.seq_id)
             while need > free and seq.status is Status.RUNNING:
                 victim = choose_victim(self.running)   # the youngest (perhaps seq itself)
+                if victim in step.decodes:
+                    raise TinyVLLMError(f"choose_victim returned sequence {victim.seq_id}, which already decodes "
+                                        "in this step; return the youngest running sequence, running[-1]")
                 free += self._preempt(victim)
                 step.preempted.append(victim)
             if seq.status is Status.RUNNING:

@@ -1,0 +1,321 @@
+"""Chapter 7 graders: the scheduler's admission step (Exercise 7.1) and its choice of whom to preempt (7.2), on the CPU.
+
+Most graders drive the functions with a fake block manager whose answers the grader sets (how many blocks a
+prompt takes, how many of its tokens are cached, which running sequence needs a new block) and sequences
+without a model, so every expected outcome is worked out by hand from the rules: FIFO, max_num_seqs, the
+token budget, the blocks left in the step (`free`), the youngest is the victim and goes back to the front
+of the queue. The last grader plugs the implementation into the real engine on a tiny random model with a
+pool small enough to force preemptions: every request's tokens must equal what it gets alone, computed
+beforehand with the engine's own functions.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+
+from tinyvllm import scheduler as scheduler_module
+from tinyvllm.block_manager import blocks_for
+from tinyvllm.sampling import SamplingParams
+from tinyvllm.scheduler import Scheduler, Step
+from tinyvllm.sequence import Sequence, Status
+
+
+class FakeBlocks:
+    """Stands in for the block manager: the grader decides every answer, and the calls are recorded.
+
+    A sequence's token ids all equal its id, so blocks_to_admit can tell whose tokens it is given."""
+
+    def __init__(self, num_free: int, need=None, cached=None, append=None, held=None):
+        self.num_free = num_free             # what the pool reports; NOT what is left in this step
+        self.need = need or {}               # seq id -> blocks_to_admit (default: ceil(len / 16))
+        self.cached = cached or {}           # seq id -> tokens admit() reports as already cached
+        self.append = append or {}           # seq id -> blocks_to_append (default 0)
+        self.held = dict(held or {})         # seq id -> blocks it holds, given back by free()
+        self.admitted, self.freed = [], []
+
+    def blocks_to_admit(self, token_ids: list[int]) -> int:
+        return self.need.get(token_ids[0], blocks_for(len(token_ids)))
+
+    def admit(self, seq: int, token_ids: list[int]) -> int:
+        self.admitted.append(seq)
+        return self.cached.get(seq, 0)
+
+    def blocks_to_append(self, seq: int) -> int:
+        return self.append.get(seq, 0)
+
+    def free(self, seq: int) -> None:
+        self.freed.append(seq)
+        self.num_free += self.held.pop(seq, 0)
+
+
+def make_seq(seq_id: int, prompt: int, output: int = 0) -> Sequence:
+    """A sequence without a model: `prompt` prompt tokens and `output` generated ones, all equal to seq_id."""
+    return Sequence(seq_id, [seq_id] * prompt, SamplingParams(temperature=0), 64, set(), decoder=None,
+                    output_ids=[seq_id] * output)
+
+
+def make_scheduler(blocks: FakeBlocks, max_num_seqs: int = 8, budget: int = 1000, running=(), waiting=()):
+    """A Scheduler with these (seq_id, prompt length[, output length]) running and waiting."""
+    sched = Scheduler(blocks, max_num_seqs, budget)
+    for spec in running:
+        seq = make_seq(*spec)
+        seq.status = Status.RUNNING
+        sched.running.append(seq)
+    sched.waiting.extend(make_seq(*spec) for spec in waiting)
+    return sched
+
+
+def ids(seqs) -> list[int]:
+    return [s.seq_id for s in seqs]
+
+
+# ---------- Exercise 7.1: admit ----------
+
+@pytest.mark.ch7
+def test_admit_takes_the_queue_in_order_while_everything_fits(impl):
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, running=[(10, 20), (11, 5)],
+                           waiting=[(0, 30), (1, 50), (2, 20), (3, 70), (4, 40)])
+    step = Step()
+    assert impl("admit")(sched, step, 100) is None
+    assert ids(step.prefills) == [0, 1, 2, 3, 4], "admitted sequences go into step.prefills in arrival order"
+    assert ids(sched.running) == [10, 11, 0, 1, 2, 3, 4], "admitted sequences go to the END of running"
+    assert not sched.waiting
+    assert all(s.status is Status.RUNNING for s in sched.running)
+    assert blocks.admitted == [0, 1, 2, 3, 4], "blocks.admit(seq_id, token_ids) once per admitted sequence"
+    assert all(s.num_cached == 0 for s in step.prefills)
+    assert step.decodes == [] and step.preempted == []
+
+
+@pytest.mark.ch7
+def test_admit_stops_at_the_first_that_does_not_fit_nobody_overtakes(impl):
+    """Hand-derived: 4 blocks free; seq 0 takes 2, seq 1 needs 5 > 2: it stops admission, and seq 2
+    (1 block, it would fit) must not overtake it."""
+    blocks = FakeBlocks(num_free=4)
+    sched = make_scheduler(blocks, waiting=[(0, 30), (1, 70), (2, 10)])
+    step = Step()
+    impl("admit")(sched, step, 4)
+    assert ids(step.prefills) == [0], "FIFO: the first that does not fit ends admission"
+    assert ids(sched.waiting) == [1, 2], "a refused sequence stays at the head of the queue"
+    assert isinstance(sched.waiting, deque)
+    assert [s.status for s in sched.waiting] == [Status.WAITING] * 2
+    assert blocks.admitted == [0], "blocks.admit must not be called for a refused sequence"
+
+
+@pytest.mark.ch7
+def test_admit_uses_the_blocks_left_in_this_step_not_the_pool(impl):
+    """`free` is what is left after this step's decodes claimed theirs; the pool still reports 50."""
+    blocks = FakeBlocks(num_free=50)
+    sched = make_scheduler(blocks, waiting=[(0, 20), (1, 20), (2, 20)])   # 2 blocks each
+    step = Step()
+    impl("admit")(sched, step, 3)
+    assert ids(step.prefills) == [0], "2 + 2 blocks do not fit in the 3 left this step (use `free`, not num_free)"
+    blocks, step = FakeBlocks(num_free=50), Step()
+    sched = make_scheduler(blocks, waiting=[(0, 20), (1, 20), (2, 20)])
+    impl("admit")(sched, step, 4)
+    assert ids(step.prefills) == [0, 1], "exactly enough blocks: it fits"
+
+
+@pytest.mark.ch7
+def test_admit_asks_the_block_manager_how_many_blocks_a_prompt_takes(impl):
+    """A prompt whose prefix is cached takes fewer blocks than ceil(len / 16): ask blocks_to_admit."""
+    blocks = FakeBlocks(num_free=3, need={0: 1, 1: 2})
+    sched = make_scheduler(blocks, waiting=[(0, 60), (1, 30), (2, 1)])   # 60 tokens, but 3 of its 4 blocks cached
+    step = Step()
+    impl("admit")(sched, step, 3)
+    assert ids(step.prefills) == [0, 1], "seq 0 takes 1 block (blocks_to_admit), seq 1 the other 2"
+    assert ids(sched.waiting) == [2]
+
+
+@pytest.mark.ch7
+def test_admit_respects_max_num_seqs(impl):
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, max_num_seqs=4, running=[(10, 5), (11, 5)],
+                           waiting=[(0, 5), (1, 5), (2, 5), (3, 5)])
+    step = Step()
+    impl("admit")(sched, step, 100)
+    assert ids(step.prefills) == [0, 1], "4 slots, 2 taken: two more"
+    assert ids(sched.waiting) == [2, 3] and len(sched.running) == 4
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, max_num_seqs=2, running=[(10, 5), (11, 5)], waiting=[(0, 5)])
+    step = Step()
+    impl("admit")(sched, step, 100)
+    assert step.prefills == [] and blocks.admitted == [] and ids(sched.waiting) == [0], "no free slot: nobody"
+
+
+@pytest.mark.ch7
+def test_admit_respects_the_token_budget(impl):
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, budget=100, waiting=[(0, 40), (1, 50), (2, 20), (3, 5)])
+    step = Step()
+    impl("admit")(sched, step, 100)
+    assert ids(step.prefills) == [0, 1], "40 + 50 tokens leave 10: the 20-token prompt waits (and so does 5)"
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, budget=100, waiting=[(0, 60), (1, 40), (2, 1)])
+    step = Step()
+    impl("admit")(sched, step, 100)
+    assert ids(step.prefills) == [0, 1], "60 + 40 = 100 tokens: exactly the budget fits"
+
+
+@pytest.mark.ch7
+def test_admit_cached_tokens_do_not_use_the_budget(impl):
+    """Hand-derived: budget 100. Seq 0 (60 tokens, 48 cached) costs 12, leaving 88; seq 1 (80 tokens,
+    none cached) fits, leaving 8; seq 2 (10 tokens) does not."""
+    blocks = FakeBlocks(num_free=100, cached={0: 48})
+    sched = make_scheduler(blocks, budget=100, waiting=[(0, 60), (1, 80), (2, 10)])
+    step = Step()
+    impl("admit")(sched, step, 100)
+    assert ids(step.prefills) == [0, 1], "only the tokens prefill computes (len - num_cached) use the budget"
+    assert [s.num_cached for s in step.prefills] == [48, 0], "seq.num_cached = what blocks.admit returned"
+    assert ids(sched.waiting) == [2]
+
+
+@pytest.mark.ch7
+def test_admit_a_preempted_sequence_recomputes_all_its_tokens(impl):
+    """A preempted sequence (30 prompt + 40 output tokens) is admitted on all 70 of its tokens."""
+    admit = impl("admit")
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, budget=64, waiting=[(0, 30, 40), (1, 5)])
+    step = Step()
+    admit(sched, step, 100)
+    assert step.prefills == [], "70 tokens do not fit a budget of 64 (prompt AND output are recomputed)"
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, budget=100, waiting=[(0, 30, 40), (1, 5)])
+    step = Step()
+    admit(sched, step, 4)
+    assert step.prefills == [], "70 tokens need 5 blocks (blocks_to_admit(seq.token_ids)); 4 are left"
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, budget=100, waiting=[(0, 30, 40), (1, 5)])
+    step = Step()
+    admit(sched, step, 6)
+    assert ids(step.prefills) == [0, 1] and blocks.admitted == [0, 1]
+
+
+@pytest.mark.ch7
+def test_admit_with_nobody_waiting_does_nothing(impl):
+    blocks = FakeBlocks(num_free=10)
+    sched = make_scheduler(blocks, running=[(3, 10)])
+    step = Step()
+    impl("admit")(sched, step, 10)
+    assert step.prefills == [] and ids(sched.running) == [3] and blocks.admitted == []
+
+
+@pytest.mark.ch7
+def test_admit_inside_schedule_gets_the_blocks_the_decodes_left(impl, monkeypatch):
+    """Through Scheduler.schedule: two running sequences each open a block (3 free -> 1 left), so of two
+    one-block prompts only the first starts."""
+    monkeypatch.setattr(scheduler_module, "admit", impl("admit"))
+    blocks = FakeBlocks(num_free=3, append={0: 1, 1: 1})
+    sched = make_scheduler(blocks, running=[(0, 16), (1, 32)], waiting=[(5, 10), (6, 10)])
+    step = sched.schedule()
+    assert ids(step.decodes) == [0, 1] and ids(step.prefills) == [5] and step.preempted == []
+    assert ids(sched.running) == [0, 1, 5] and ids(sched.waiting) == [6]
+
+
+# ---------- Exercise 7.2: choose_victim ----------
+
+@pytest.mark.ch7
+def test_choose_victim_is_the_youngest(impl):
+    """The last admitted, whatever the ids or lengths (a sequence admitted again after a preemption is young)."""
+    choose = impl("choose_victim")
+    rng = np.random.default_rng()
+    for n in (1, 2, 5, 17):
+        running = [make_seq(int(i), int(rng.integers(1, 200)), int(rng.integers(0, 50)))
+                   for i in rng.permutation(100)[:n]]
+        before = list(running)
+        victim = choose(running)
+        assert victim is before[-1], f"running ids {ids(before)}: the youngest is the last one, {before[-1].seq_id}"
+        assert running == before and all(a is b for a, b in zip(running, before)), "the list must not change"
+
+
+@pytest.mark.ch7
+def test_choose_victim_in_schedule_preempts_the_youngest_and_requeues_it_first(impl, monkeypatch):
+    """Hand-derived: 1 free block, three running sequences each opening a block. Seq 0 takes it; seq 1
+    finds none, so the youngest (seq 2, holding 2 blocks) is preempted; seq 1 then decodes. Seq 2 goes
+    to the FRONT of the queue, ahead of seq 7, and nobody is admitted in a step that preempted."""
+    monkeypatch.setattr(scheduler_module, "choose_victim", impl("choose_victim"))
+    blocks = FakeBlocks(num_free=1, append={0: 1, 1: 1, 2: 1}, held={0: 3, 1: 3, 2: 2})
+    sched = make_scheduler(blocks, running=[(0, 48), (1, 32), (2, 16)], waiting=[(7, 5)])
+    step = sched.schedule()
+    assert ids(step.decodes) == [0, 1] and ids(step.preempted) == [2] and step.prefills == []
+    assert ids(sched.running) == [0, 1] and ids(sched.waiting) == [2, 7] and blocks.freed == [2]
+    victim = step.preempted[0]
+    assert victim.status is Status.WAITING and victim.preemptions == 1
+
+
+@pytest.mark.ch7
+def test_choose_victim_in_schedule_may_preempt_the_asker(impl, monkeypatch):
+    """The youngest needs a block and none is free: it is its own victim; the older one decodes."""
+    monkeypatch.setattr(scheduler_module, "choose_victim", impl("choose_victim"))
+    blocks = FakeBlocks(num_free=0, append={1: 1}, held={0: 2, 1: 2})
+    sched = make_scheduler(blocks, running=[(0, 20), (1, 32)])
+    step = sched.schedule()
+    assert ids(step.decodes) == [0] and ids(step.preempted) == [1] and ids(sched.waiting) == [1]
+
+
+@pytest.mark.ch7
+def test_choose_victim_in_schedule_preempts_youngest_first_until_it_fits(impl, monkeypatch):
+    """Four running, all opening a block, none free, one block each: seq 0 preempts 3, seq 1 preempts 2.
+    Each victim goes to the front, so the queue reads 2, 3, 9: the older of the two first."""
+    monkeypatch.setattr(scheduler_module, "choose_victim", impl("choose_victim"))
+    blocks = FakeBlocks(num_free=0, append={0: 1, 1: 1, 2: 1, 3: 1}, held={0: 1, 1: 1, 2: 1, 3: 1})
+    sched = make_scheduler(blocks, running=[(0, 16), (1, 16), (2, 16), (3, 16)], waiting=[(9, 4)])
+    step = sched.schedule()
+    assert ids(step.decodes) == [0, 1] and ids(step.preempted) == [3, 2]
+    assert ids(sched.waiting) == [2, 3, 9] and blocks.freed == [3, 2]
+
+
+# ---------- both, inside the engine ----------
+
+@pytest.fixture(scope="module")
+def tiny_llm_path(tmp_path_factory):
+    from tinyvllm.models import synth_model
+    return synth_model("smollm2-135m", tmp_path_factory.mktemp("tiny") / "m", seed=7, num_hidden_layers=2,
+                       hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_llm_path):
+    """Fresh random requests (half greedy, half sampled with a seed) and each one's tokens alone,
+    generated with the engine's own admit and choose_victim (not the code under test)."""
+    from tinyvllm import LLM
+    alone, rng = LLM(str(tiny_llm_path), device="cpu", num_blocks=64), np.random.default_rng()
+    prompts = [rng.integers(0, alone.config.vocab_size, int(rng.integers(17, 60))).tolist() for _ in range(16)]
+    # sampled rows keep their 5 likeliest tokens: over a random model's flat distribution, a float32
+    # rounding difference between a batch of 6 and a batch of 1 could otherwise tip a draw to a neighbour
+    params = [SamplingParams(temperature=0.8 * (i % 2), top_k=5, seed=int(rng.integers(1 << 30)), ignore_eos=True,
+                             max_tokens=int(rng.integers(20, 41))) for i in range(16)]
+    return prompts, params, [alone.generate([p], s)[0].token_ids for p, s in zip(prompts, params)]
+
+
+MAX_STEPS = 2000  # 16 requests of at most 40 tokens finish in a few hundred steps, preemptions included
+
+
+@pytest.mark.ch7
+def test_admit_and_choose_victim_in_the_engine_change_no_answer(impl, monkeypatch, tiny_llm_path, workload):
+    """16 requests, 6 slots, a pool of 12 blocks (each request alone needs up to 7): the pool runs dry and
+    sequences are preempted and recomputed. Every request's tokens must equal what it got alone."""
+    from tinyvllm import LLM
+    prompts, params, alone = workload
+    monkeypatch.setattr(scheduler_module, "admit", impl("admit"))
+    monkeypatch.setattr(scheduler_module, "choose_victim", impl("choose_victim"))
+    llm = LLM(str(tiny_llm_path), device="cpu", num_blocks=12, max_num_seqs=6, max_num_batched_tokens=128)
+    engine = llm.llm_engine
+    seqs = [llm.add_request(p, s) for p, s in zip(prompts, params)]
+    for _ in range(MAX_STEPS):  # what LLM.generate does, with a limit: a wrong admit can stall the loop
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work(), f"not finished after {MAX_STEPS} steps: does admit set seq.status to RUNNING?"
+    assert sum(s.preemptions for s in seqs) > 0, "the pool was meant to run out"
+    for i, (seq, expected) in enumerate(zip(seqs, alone)):
+        assert seq.output_ids == expected, f"request {i} ({len(prompts[i])} prompt tokens) differs from its run alone"
+    trace = engine.trace
+    first = [s for t in trace for s in t["prefill"]]
+    first = [s for i, s in enumerate(first) if s not in first[:i]]
+    assert first == sorted(first), "a request started before one that arrived earlier"
+    assert max(len(t["prefill"]) + len(t["decode"]) for t in trace) <= 6, "more than max_num_seqs ran in a step"
+    assert llm.cache.blocks.num_free == 12 and not llm.cache.blocks.tables, "blocks were not all given back"
