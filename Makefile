@@ -10,8 +10,9 @@ TORCH  ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 IMPL   ?= reference
 CH     ?= all
+JUNIT  ?= junit-grades.xml
 
-.PHONY: setup run test test-gpu grade notebooks figures bench bench-gpu clean
+.PHONY: setup run test test-gpu course grade notebooks figures bench bench-gpu clean
 .DEFAULT_GOAL := run
 
 $(PY):
@@ -44,8 +45,13 @@ test-gpu: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.test)  ## the GPU tests (needs
 chapter-%: setup  ## run a chapter's checkpoint: make chapter-1 [IMPL=student]
 	$(PY) -m chapters $* --impl $(IMPL)
 
-grade: $(VENV)/.test  ## grade your exercises: make grade CH=1
-	$(PY) -m pytest -q -p no:cacheprovider --impl=student $(if $(filter all,$(CH)),-m "ch1 or ch2 or ch3 or ch4 or ch5 or ch6 or ch7",-m ch$(CH))
+course: setup  ## every checkpoint in order, stopping at the first that fails: make course [IMPL=student]
+	$(PY) -m chapters.course --impl $(IMPL)
+
+# Graders: one point per test case; JUnit XML for autograders. IMPL=reference grades the engine itself.
+grade: $(VENV)/.test  ## grade your exercises, print a score table: make grade [CH=1] [IMPL=reference] [JUNIT=file.xml]
+	$(PY) -m chapters.grade_report --impl $(if $(filter command line environment,$(origin IMPL)),$(IMPL),student) \
+		$(if $(filter all,$(CH)),,--chapters $(CH)) --junit $(JUNIT)
 
 notebooks: $(VENV)/.test  ## execute every notebook top to bottom on the CPU
 	$(PY) -m pytest -q -m notebooks
