@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.block_manager import BLOCK_SIZE, OutOfBlocks, blocks_for  # noqa: F401  (for your solution)
+from tinyvllm.block_manager import BLOCK_SIZE, OutOfBlocks, blocks_for  # noqa: F401  (OutOfBlocks: for your solution)
 
 REFERENCE = {
     "BlockManager": "tinyvllm.block_manager:BlockManager",
@@ -61,8 +61,9 @@ class BlockManager:
     never twice on the free list, never lost; a sequence of L tokens holds exactly ceil(L / 16) blocks
     (blocks_for(L)); its slots are slot_mapping(tables[seq], 0, L).
 
-    (Chapter 7's scheduler adds three planning methods to the engine's class, blocks_to_append,
-    blocks_to_admit and admit; they are not part of this exercise.)
+    Chapter 7's scheduler also calls three planning methods, blocks_to_append, blocks_to_admit and
+    admit. They are not part of this exercise and are written for you at the end of the class (they
+    read `lengths`), so `make chapter-7 IMPL=student` runs on your class too.
     """
 
     def __init__(self, num_blocks: int):
@@ -130,3 +131,17 @@ class BlockManager:
         """The tables of several sequences as one (n, longest) int32 array, padded with -1, for a kernel:
         row i is seqs[i]'s table, in the order seqs gives."""
         raise NotImplementedError("Exercise 6.1: BlockManager.block_tables")
+
+    # ---- given, not an exercise: what chapter 7's scheduler plans with (as in tinyvllm/block_manager.py) ----
+
+    def blocks_to_append(self, seq: int) -> int:
+        """1 if the sequence's next token opens a new block, else 0."""
+        return int(self.lengths[seq] % BLOCK_SIZE == 0)
+
+    def blocks_to_admit(self, token_ids: list[int]) -> int:
+        """Free blocks a new prompt takes; without prefix caching, nothing is shared: all of them."""
+        return blocks_for(len(token_ids))
+
+    def admit(self, seq: int, token_ids: list[int]) -> int:
+        """Start a sequence; returns how many of its tokens are already in the cache (none, here)."""
+        return 0
