@@ -94,19 +94,19 @@ def score(junit_xml: Path) -> list[Row]:
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'chapter':<8} {'exercise':<30} {'result':<10} {'points':>9}", "-" * 60]
+    lines = [f"{'chapter':<8} {'exercise':<34} {'result':<10} {'points':>9}", "-" * 64]
     for r in rows:
-        lines.append(f"{r.chapter:<8} {r.exercise:<30} {r.result:<10} {r.passed:>4} / {r.points:<3}")
+        lines.append(f"{r.chapter:<8} {r.exercise:<34} {r.result:<10} {r.passed:>4} / {r.points:<3}")
     earned, total = sum(r.passed for r in rows), sum(r.points for r in rows)
     gpu = sum(r.needs_gpu for r in rows)
-    lines += ["-" * 60, f"{'total':<50} {earned:>4} / {total:<3}"]
+    lines += ["-" * 64, f"{'total':<54} {earned:>4} / {total:<3}"]
     if gpu:
         lines.append(f"({gpu} of these points are CUDA C graders that need a GPU: run `make grade` on a "
                      "machine with an NVIDIA GPU and CuPy to earn them)")
     failing = [f"  {r.exercise}: {r.first_failure}" for r in rows if r.failed]
     if failing:
         lines += ["", "first failure of each exercise (run `pytest -m chN --impl=student -x` for the traceback):"] + failing
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def run_graders(chapters: list[int], impl: str, junit_xml: Path) -> int:

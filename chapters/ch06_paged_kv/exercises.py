@@ -49,7 +49,7 @@ class BlockManager:
       free_blocks  collections.deque of the free block ids. A new manager holds 0, 1, ..., num_blocks - 1
                    in that order. Blocks are taken from the LEFT (popleft) and given back on the RIGHT
                    (append): both O(1). A list's pop(0) moves every other entry, O(num_blocks) per call;
-                   the graders time it on a pool of 2^20 blocks.
+                   the graders time it on a pool of 2^22 blocks.
       ref_counts   list[int], one per block: how many sequences use it (0 for a free block; 1 when a
                    sequence takes it; chapter 7 shares prompt blocks between sequences, so a block goes
                    back to the free list only when its count drops to 0).

@@ -1,0 +1,213 @@
+"""The course holds together: every chapter has its parts, every figure is drawn and shown, every link
+resolves, `make course` stops at the first failing checkpoint, and `make grade` scores what it ran.
+
+(That every notebook runs top to bottom on the CPU is tests/test_notebooks.py.)
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from chapters import course, grade_report
+from chapters.figures import all_figures
+from chapters.grading import chapter_package, exercises
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = range(1, 8)
+
+
+def slug(chapter: int) -> str:
+    """'ch01_map' -> 'map'."""
+    return chapter_package(chapter).split(".")[1].split("_", 1)[1]
+
+
+# ---------- every chapter has its text, checkpoint, exercises, graders and notebook ----------
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_chapter_has_every_part(chapter):
+    folder = ROOT / "chapters" / chapter_package(chapter).split(".")[1]
+    assert (folder / "README.md").is_file(), f"{folder.name} has no README.md"
+    checkpoint = importlib.import_module(chapter_package(chapter) + ".checkpoint")
+    assert callable(getattr(checkpoint, "main", None)), f"{folder.name}/checkpoint.py has no main()"
+    assert exercises(chapter).REFERENCE, f"{folder.name}/exercises.py declares no exercise"
+    assert (ROOT / "tests" / f"test_ch{chapter:02d}_exercises.py").is_file(), "no grader file"
+    notebook = ROOT / "notebooks" / f"{chapter:02d}_{slug(chapter)}.ipynb"
+    assert notebook.is_file(), f"chapter {chapter} has no notebook {notebook.relative_to(ROOT)}"
+
+
+def test_no_notebook_without_a_chapter():
+    expected = {f"{n:02d}_{slug(n)}.ipynb" for n in CHAPTERS}
+    assert {p.name for p in (ROOT / "notebooks").glob("*.ipynb")} == expected
+
+
+def grader_names(chapter: int) -> list[str]:
+    text = (ROOT / "tests" / f"test_ch{chapter:02d}_exercises.py").read_text()
+    return re.findall(r"^def (test_\w+)\(", text, re.M)
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_exercise_has_its_reference_its_stub_and_a_grader_named_after_it(chapter):
+    ex = exercises(chapter)
+    graders = grader_names(chapter)
+    for number, name in enumerate(grade_report.exercise_names(chapter), start=1):
+        label = f"Exercise {chapter}.{number}"
+        if name in ex.REFERENCE:
+            module, _, attr = ex.REFERENCE[name].partition(":")
+            assert hasattr(importlib.import_module(module), attr), f"{name}: REFERENCE points nowhere"
+            assert f'"{label}: {name}' in inspect.getsource(ex), f"{name}'s stub does not raise '{label}: {name}'"
+        else:  # CUDA C: the engine's kernel file, and a stub string that says which exercise it is
+            assert (ROOT / ex.GPU_EXERCISES[name]).is_file(), f"{name}: no {ex.GPU_EXERCISES[name]}"
+            assert label in getattr(ex, name), f"{name}'s stub does not say '{label}'"
+        assert any(grade_report.exercise_of(g, chapter).endswith(f" {name}") for g in graders), \
+            f"no grader of chapter {chapter} is named after {name} (the score table could not credit it)"
+
+
+def test_chapter_6_student_block_manager_has_what_chapter_7_calls():
+    """The stub class carries every method of the engine's, and the given planning methods work as the engine's."""
+    from tinyvllm import block_manager
+    student = exercises(6).BlockManager
+    public = {n for n in vars(block_manager.BlockManager) if not n.startswith("_")}
+    assert public <= set(vars(student)), f"missing from the stub class: {public - set(vars(student))}"
+
+    given = {"blocks_to_append", "blocks_to_admit", "admit"}
+    engine = vars(block_manager.BlockManager)
+    solved = {n: f for n, f in engine.items() if n not in given and (n == "__init__" or not n.startswith("__"))}
+    bm = type("Solved", (student,), solved)(4)  # the exercise methods solved (by the engine's), the given ones kept
+    bm.allocate(0, 16)
+    assert bm.blocks_to_append(0) == 1 and bm.extend(0, 1).tolist() == [16]
+    assert bm.blocks_to_append(0) == 0
+    assert bm.blocks_to_admit(list(range(33))) == 3
+    assert bm.admit(1, [5, 6, 7]) == 0
+
+
+def test_chapter_6_graders_still_fail_on_the_given_methods_alone():
+    with pytest.raises(NotImplementedError, match="Exercise 6.1"):
+        exercises(6).BlockManager(4)
+
+
+# ---------- figures: drawn by `make figures`, shown by a chapter ----------
+
+def test_every_figure_is_drawn_by_make_figures_and_shown_by_a_chapter():
+    drawn = set(all_figures())
+    on_disk = {p.name for p in (ROOT / "figures").glob("*.png")}
+    assert on_disk <= drawn, f"figures no plots.py draws (make figures would not remake them): {on_disk - drawn}"
+    assert drawn <= on_disk, f"figures make figures draws that are not committed: {drawn - on_disk}"
+    texts = "".join(p.read_text() for p in (ROOT / "chapters").glob("ch*/README.md"))
+    unshown = sorted(name for name in drawn if f"figures/{name})" not in texts)
+    assert not unshown, f"figures no chapter README shows: {unshown}"
+
+
+# ---------- links in the Markdown files resolve ----------
+
+MARKDOWN = sorted([ROOT / "README.md", ROOT / "INSTRUCTORS.md", ROOT / "BENCHMARKS.md", ROOT / "bench" / "README.md",
+                   *(ROOT / "chapters").glob("ch*/README.md")])
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(markdown: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", markdown.read_text(), flags=re.S)  # a '#' in a code block is no heading
+    return {anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_anchor_follows_github():
+    assert anchor("5. RoPE: one table, shared with decode") == "5-rope-one-table-shared-with-decode"
+    assert anchor("Chapter 1 — the map") == "chapter-1--the-map"
+
+
+@pytest.mark.parametrize("markdown", MARKDOWN, ids=[str(p.relative_to(ROOT)) for p in MARKDOWN])
+def test_relative_links_resolve(markdown):
+    text = re.sub(r"```.*?```", "", markdown.read_text(), flags=re.S)
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto: — not checked offline
+            continue
+        path, _, fragment = target.partition("#")
+        file = (markdown.parent / path).resolve() if path else markdown
+        if not file.exists():
+            broken.append(f"{target} (no such file)")
+        elif fragment and file.suffix == ".md" and fragment not in anchors(file):
+            broken.append(f"{target} (no heading #{fragment})")
+    assert not broken, f"{markdown.relative_to(ROOT)}: {broken}"
+
+
+# ---------- make course: stops at the first failing checkpoint ----------
+
+def test_course_stops_at_the_first_failure_and_names_it(monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(course, "run_checkpoint", lambda n, impl: ran.append(n) or (1 if n == 3 else 0))
+    assert course.main([]) == 1
+    assert ran == [1, 2, 3]
+    assert "chapter 3 (ch03_prefill)" in capsys.readouterr().err
+
+
+def test_course_runs_every_chapter_in_order_when_all_pass(monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(course, "run_checkpoint", lambda n, impl: ran.append((n, impl)) or 0)
+    assert course.main(["--impl", "student"]) == 0
+    assert ran == [(n, "student") for n in CHAPTERS]
+    assert "every checkpoint PASSED" in capsys.readouterr().out
+
+
+# ---------- make grade: the score table ----------
+
+FAKE_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="8">
+  <testcase classname="tests.test_ch01_exercises" name="test_rms_norm_matches_llama_rmsnorm[1.0]"/>
+  <testcase classname="tests.test_ch01_exercises" name="test_rms_norm_matches_llama_rmsnorm[300.0]">
+    <failure message="AssertionError: relative error 0.3">trace</failure></testcase>
+  <testcase classname="tests.test_ch01_exercises" name="test_softmax_matches_torch[1.0]"/>
+  <testcase classname="tests.test_ch01_exercises" name="test_reference_model_with_your_functions_matches_transformers">
+    <error message="NotImplementedError: Exercise 1.1: rms_norm">trace</error></testcase>
+  <testcase classname="tests.test_ch03_exercises" name="test_rms_norm_kernel_source_matches_the_numpy_twin[False-1-64-3.0]">
+    <skipped type="pytest.skip" message="Exercise 3.2 is graded on a GPU (needs CuPy and an NVIDIA GPU)">x</skipped>
+  </testcase>
+  <testcase classname="tests.test_ch03_exercises" name="test_online_softmax_attention_matches_torch_sdpa[4-a]"/>
+  <testcase classname="tests.test_ch07_exercises" name="test_admit_and_choose_victim_in_the_engine_change_no_answer[0]"/>
+  <testcase classname="tests.test_ch07_exercises" name="test_choose_victim_is_the_youngest">
+    <skipped type="pytest.skip" message="could not import 'torch'">x</skipped></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_score_of_a_fake_junit_file(tmp_path):
+    path = tmp_path / "fake.xml"
+    path.write_text(FAKE_JUNIT)
+    rows = {(r.chapter, r.exercise): (r.result, r.passed, r.points) for r in grade_report.score(path)}
+    assert rows == {
+        (1, "1.1 rms_norm"): ("failed 1", 1, 2),
+        (1, "1.4 softmax"): ("passed", 1, 1),
+        (1, grade_report.TOGETHER): ("failed 1", 0, 1),
+        (3, "3.1 online_softmax_attention"): ("passed", 1, 1),
+        (3, "3.2 RMS_NORM_KERNEL_SOURCE"): ("needs GPU", 0, 1),  # never counted as passed
+        (7, grade_report.TOGETHER): ("passed", 1, 1),
+        (7, "7.2 choose_victim"): ("skipped", 0, 1),
+    }
+    table = grade_report.table(grade_report.score(path))
+    assert re.search(r"total\s+4 / 8", table)
+    assert "1 of these points are CUDA C graders that need a GPU" in table
+    assert "test_rms_norm_matches_llama_rmsnorm[300.0]: AssertionError: relative error 0.3" in table
+
+
+@pytest.mark.parametrize("impl, earned", [("student", "none"), ("reference", "all")])
+def test_grading_chapter_4_for_real(tmp_path, capsys, impl, earned):
+    """The untouched stubs score 0 points; the engine's own functions score every point."""
+    xml = tmp_path / "grades.xml"
+    code = grade_report.main(["--chapters", "4", "--impl", impl, "--junit", str(xml)])
+    rows = grade_report.score(xml)
+    assert [r.exercise for r in rows] == ["4.1 gemm_params", "4.2 gemm_params_into_slice", "4.3 colmajor_index"]
+    assert all(r.points > 0 for r in rows)
+    if earned == "none":
+        assert code == 1 and all(r.passed == 0 and r.result.startswith("failed") for r in rows)
+    else:
+        assert code == 0 and all(r.passed == r.points and r.result == "passed" for r in rows)
+    assert "total" in capsys.readouterr().out
+
