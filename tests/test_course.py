@@ -66,22 +66,50 @@ def test_every_exercise_has_its_reference_its_stub_and_a_grader_named_after_it(c
             f"no grader of chapter {chapter} is named after {name} (the score table could not credit it)"
 
 
-def test_chapter_6_student_block_manager_has_what_chapter_7_calls():
-    """The stub class carries every method of the engine's, and the given planning methods work as the engine's."""
+def solved_student_block_manager() -> type:
+    """The chapter 6 stub class with its exercise methods solved (by the engine's), the given ones kept."""
     from tinyvllm import block_manager
-    student = exercises(6).BlockManager
-    public = {n for n in vars(block_manager.BlockManager) if not n.startswith("_")}
-    assert public <= set(vars(student)), f"missing from the stub class: {public - set(vars(student))}"
-
     given = {"blocks_to_append", "blocks_to_admit", "admit"}
     engine = vars(block_manager.BlockManager)
     solved = {n: f for n, f in engine.items() if n not in given and (n == "__init__" or not n.startswith("__"))}
-    bm = type("Solved", (student,), solved)(4)  # the exercise methods solved (by the engine's), the given ones kept
+    return type("Solved", (exercises(6).BlockManager,), solved)
+
+
+def test_chapter_6_student_block_manager_has_what_chapter_7_calls():
+    from tinyvllm import block_manager
+    public = {n for n in vars(block_manager.BlockManager) if not n.startswith("_")}
+    student = set(vars(exercises(6).BlockManager))
+    assert public <= student, f"missing from the stub class: {public - student}"
+    bm = solved_student_block_manager()(4)
     bm.allocate(0, 16)
     assert bm.blocks_to_append(0) == 1 and bm.extend(0, 1).tolist() == [16]
     assert bm.blocks_to_append(0) == 0
     assert bm.blocks_to_admit(list(range(33))) == 3
     assert bm.admit(1, [5, 6, 7]) == 0
+
+
+def test_chapter_7_engine_runs_on_the_chapter_6_student_class(tmp_path, monkeypatch):
+    """With 6.1 solved, the student class runs chapter 7's scheduler, preemptions included, token for token."""
+    import numpy as np
+
+    from tinyvllm import LLM, SamplingParams, block_manager
+    from tinyvllm.models import synth_model
+    path = synth_model("smollm2-135m", tmp_path / "m", seed=3, num_hidden_layers=2, hidden_size=64,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 1000, int(rng.integers(17, 40))).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=30)
+    alone = [LLM(str(path), device="cpu", num_blocks=64).generate([p], params)[0].token_ids for p in prompts]
+    monkeypatch.setattr(block_manager, "BlockManager", solved_student_block_manager())
+    llm = LLM(str(path), device="cpu", num_blocks=10, max_num_seqs=4)  # each needs up to 5 blocks: preemption
+    assert type(llm.cache.blocks).__name__ == "Solved"
+    seqs = [llm.add_request(p, params) for p in prompts]
+    for _ in range(1000):
+        if not llm.llm_engine.has_work():
+            break
+        llm.llm_engine.step()
+    assert sum(s.preemptions for s in seqs) > 0, "the pool was meant to run out"
+    assert [s.output_ids for s in seqs] == alone
 
 
 def test_chapter_6_graders_still_fail_on_the_given_methods_alone():

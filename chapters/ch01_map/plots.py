@@ -75,7 +75,7 @@ def draw_forward_pass() -> plt.Figure:
         _arrow(ax, (x, 14.01), (x, 13.39))
     # the KV cache: K (after RoPE) and V of every past token, kept between forward passes
     _box(ax, 10.15, 12.55, 2.9, 1.55, "KV cache (layer i)",
-         f"K, V: (S, {KVH}, {d}) each\nS = tokens so far\n2x{L}x{KVH * d}x4 B =\n{2 * L * KVH * d * 4:,} B/token",
+         f"K, V: (S, {KVH}, {d}) each\nS = tokens so far\nall {L} layers: 2x{L}x{KVH * d}x4 B\n= {2 * L * KVH * d * 4:,} B/token",
          "io")
     _arrow(ax, (cx + 0.8, 13.05), (8.7, 13.05), f"k (T,{KVH},{d})", red, (-0.6, 0.15))
     _arrow(ax, (cx + 2.4, 14.01), (8.7, 13.6), f"v (T,{KVH},{d})", red, (0.0, 0.25))
