@@ -1,4 +1,4 @@
-"""`python -m tinyvllm ...`: generate, chat, info, model-path, synth.
+"""`python -m tinyvllm ...`: generate, chat, serve, info, model-path, synth.
 
 A mistake by the user (a bad path, a corrupt file, a bad flag value) prints one line and exits with
 code 2; `--debug` shows the traceback instead.
@@ -20,6 +20,12 @@ class _Parser(argparse.ArgumentParser):
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
     return int(text)
 
 
@@ -58,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-k", type=int, default=0)
     chat.add_argument("--seed", type=int, default=None)
 
+    serve = sub.add_parser("serve", parents=[debug, engine],
+                           help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 listens on every interface")
+    serve.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
+    serve.add_argument("--max-model-len", type=_positive_int, help="context window (default: the model's)")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=256, help="sequences decoded together")
+    serve.add_argument("--max-queue", type=_positive_int, default=256,
+                       help="requests allowed to wait for a slot; past it a request gets 429")
+
     info = sub.add_parser("info", parents=[debug],
                           help="the model's config and memory map (weights and buffers)")
     info.add_argument("--model", default="default")
@@ -81,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_llm(args):
+def build_llm(args, **settings):
     from tinyvllm.llm import LLM
     return LLM(args.model, device=args.device, num_blocks=args.num_blocks,
-               gpu_memory_utilization=args.gpu_memory_utilization)
+               gpu_memory_utilization=args.gpu_memory_utilization, **settings)
 
 
 def cmd_generate(args) -> None:
@@ -148,6 +163,13 @@ def cmd_chat(args) -> None:
     run_chat(build_llm(args), params, args.system, sys.stdin, sys.stdout, sys.stderr)
 
 
+def cmd_serve(args) -> None:
+    from tinyvllm.server import Server, listen
+    listen(args.host, args.port).close()  # a port in use is reported before the model loads
+    llm = build_llm(args, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    Server(llm, args.model, args.host, args.port, args.max_queue).serve()
+
+
 def cmd_info(args) -> None:
     from tinyvllm.info import describe
     report, text = describe(args.model, args.device, args.max_tokens, args.num_blocks)
@@ -167,7 +189,7 @@ def cmd_synth(args) -> None:
     print(synth_model(args.like, args.out, seed=args.seed, **overrides))
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "model-path": cmd_model_path,
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "info": cmd_info, "model-path": cmd_model_path,
             "synth": cmd_synth}
 
 
