@@ -2,7 +2,8 @@
 
 For batch 1, 16, 64, 256 and contexts 512 and 4096 (Llama 3.2 1B's attention: 32 query heads, 8 K/V
 heads of 64), one layer's decode attention over a contiguous cache (chapter 5's kernel) and over a
-paged pool whose blocks were handed out in random order (chapter 6's kernel). Reports the K/V bytes
+paged pool whose blocks were handed out in random order (chapter 6's kernel), also with the context
+split between blocks as the engine runs it for up to 16 sequences (chapter 7). Reports the K/V bytes
 read per second against the copy bandwidth measured in the same run; each kernel is timed on the GPU's
 clock, queued behind hold_gpu() so the host's launch overhead is not counted (bench/decode.py measures it). Writes
 bench/results/paged_attention-<time>.json.
@@ -43,8 +44,10 @@ def measure(batch: int, context: int, bandwidth: float) -> dict:
                         .reshape(batch, blocks_per_seq))  # every sequence's blocks scattered over the pool
     kv_bytes = 2 * k.nbytes  # K and V of every cached token, read once
     row = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+    splits = {"paged": 1, "paged_split": None}  # chapter 6's kernel; the engine's choice (split for <= 16 rows)
     for name, call in [("contiguous", lambda: cuda_ops.decode_attention(qkv, k, v, starts, lengths, out, HEADS)),
-                       ("paged", lambda: cuda_ops.paged_attention(qkv, k, v, tables, lengths, out, HEADS))]:
+                       *[(n, lambda s=s: cuda_ops.paged_attention(qkv, k, v, tables, lengths, out, HEADS, s))
+                         for n, s in splits.items()]]:
         seconds = time_gpu(call, repeats=20, queued=True)
         row[name] = {"us": seconds * 1e6, "gb_s": kv_bytes / seconds / 1e9,
                      "fraction_of_bandwidth": kv_bytes / seconds / bandwidth}
@@ -62,7 +65,8 @@ def main() -> None:
             rows.append(r)
             print(f"batch {batch:4d} context {context:5d}: contiguous {r['contiguous']['us']:9.1f} us "
                   f"{r['contiguous']['fraction_of_bandwidth']:6.1%}  paged {r['paged']['us']:9.1f} us "
-                  f"{r['paged']['fraction_of_bandwidth']:6.1%} of the bandwidth")
+                  f"{r['paged']['fraction_of_bandwidth']:6.1%}  paged, context split {r['paged_split']['us']:9.1f} us "
+                  f"{r['paged_split']['fraction_of_bandwidth']:6.1%} of the bandwidth")
     result = {"benchmark": "paged_attention", "machine": machine(), "copy_bandwidth_gb_s": bandwidth / 1e9,
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "layers": 1},
               "results": rows}

@@ -92,3 +92,48 @@ def test_soak_thousand_requests_random_arrivals(tmp_path):
     assert admitted == sorted(admitted), "a request was admitted before one that arrived earlier"
     assert llm.cache.blocks.num_free == 120 and not llm.cache.blocks.tables
     assert any(t["preempted"] for t in engine.trace), "the soak was meant to preempt"
+
+
+def test_graph_inputs_written_incrementally_equal_a_full_rewrite():
+    """CUDA-graph decode keeps its host inputs between steps and rewrites only what changed; after
+    random admissions, decodes, departures and preemptions (a freed sequence comes back with new
+    blocks), every row must still hold exactly its sequence's table, slot, position and length."""
+    from tinyvllm.backend import numpy_ops
+    from tinyvllm.block_manager import BLOCK_SIZE, blocks_for
+    from tinyvllm.config import LlamaConfig
+    from tinyvllm.cuda_graphs import DecodeInputs, buckets
+    from tinyvllm.paged_cache import PagedKVCache
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    rng = np.random.default_rng(0)
+    cache = PagedKVCache(cfg, numpy_ops, num_blocks=4000)
+    host = DecodeInputs(rows=64, width=64, scratch_block=cache.scratch_block)
+    host.tables[:] = -7                                  # poison: a row never written shows up
+    running: list[int] = []
+    for step in range(300):
+        for s in rng.choice(10_000, rng.integers(0, 3), replace=False).tolist():  # admissions
+            if s not in cache.lengths and len(running) < 60:
+                cache.append(s, int(rng.integers(1, 200)))
+                running.append(s)
+        if running and rng.random() < 0.1:               # a departure or a preemption shifts the rows
+            s = running.pop(int(rng.integers(len(running))))
+            cache.free(s)
+            if rng.random() < 0.5:                       # preempted: back with the same id, new blocks
+                cache.append(s, int(rng.integers(1, 200)))
+                running.insert(int(rng.integers(len(running) + 1)), s)
+        if not running:
+            continue
+        before = {s: cache.lengths[s] for s in running}
+        tokens = rng.integers(0, 32, len(running)).tolist()
+        size = next(b for b in buckets(64) if b >= len(running))
+        columns = host.fill(tokens, running, size, cache)
+        assert columns == max(blocks_for(before[s] + 1) for s in running)
+        for row, s in enumerate(running):
+            table = cache.blocks.tables[s]
+            assert host.tables[row, :len(table)].tolist() == table
+            p = before[s]
+            assert host.vectors[:, row].tolist() == [tokens[row], p, table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE,
+                                                     p + 1]
+        for row in range(len(running), size):            # padding rows: one token in the scratch block
+            assert host.tables[row, 0] == cache.scratch_block
+            assert host.vectors[:, row].tolist() == [0, 0, cache.scratch_block * BLOCK_SIZE, 1]

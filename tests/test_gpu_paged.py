@@ -11,8 +11,9 @@ from tinyvllm.backend import numpy_ops as twin
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 
+@pytest.mark.parametrize("splits", [None, 1, 2, 16])  # None: the engine's choice; 16 leaves short rows' splits empty
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (9, 3, 64), (8, 1, 128), (16, 8, 32)])
-def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim):
+def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim, splits):
     import cupy as cp
 
     from tinyvllm.backend import cuda_ops
@@ -23,7 +24,7 @@ def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim):
     qkv32, qkv = bf16_pair(rng, (n, q_cols + 2 * kv_heads * head_dim), scale=2.0)
     lengths = np.array(LENGTHS, np.int32)
     out = nan_bf16((n + 1, q_cols))
-    cuda_ops.paged_attention(qkv, k_gpu, v_gpu, cp.asarray(tables), cp.asarray(lengths), out[:n], heads)
+    cuda_ops.paged_attention(qkv, k_gpu, v_gpu, cp.asarray(tables), cp.asarray(lengths), out[:n], heads, splits)
     expected = np.empty((n, q_cols), np.float32)
     twin.paged_attention(qkv32, k32, v32, tables, lengths, expected, heads)
     got = from_bf16(out)

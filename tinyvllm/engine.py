@@ -59,7 +59,7 @@ class Engine:
             logits = prefill_batch(self.model, prompts, self.cache, [s.seq_id for s in plan.prefills])
             released += self._append_tokens(plan.prefills, logits, prefilled=True)
         if plan.decodes:
-            logits = self.decode([s.token_ids[-1] for s in plan.decodes], [s.seq_id for s in plan.decodes])
+            logits = self.decode([s.last_token for s in plan.decodes], [s.seq_id for s in plan.decodes])
             released += self._append_tokens(plan.decodes, logits, prefilled=False)
         self.trace.append({"prefill": [s.seq_id for s in plan.prefills], "decode": [s.seq_id for s in plan.decodes],
                            "preempted": [s.seq_id for s in plan.preempted], "free_blocks": self.cache.blocks.num_free})

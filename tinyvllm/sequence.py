@@ -22,7 +22,7 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `seq in running` must not compare every field of 256 sequences
 class Sequence:
     seq_id: int
     prompt_ids: list[int]
@@ -57,6 +57,11 @@ class Sequence:
     def token_ids(self) -> list[int]:
         """Everything the model has seen or produced: what a preempted sequence recomputes."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        """The newest token, the one decode feeds in (without building token_ids: 256 of them per step)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

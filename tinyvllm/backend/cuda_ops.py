@@ -118,6 +118,7 @@ def store_kv(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, slots: c
     _rows_ok(qkv)
     _, kv_heads, head_dim = k_cache.shape
     assert k_cache.flags.c_contiguous and v_cache.flags.c_contiguous, "the cache must be (slots, kv_heads, head_dim)"
+    assert head_dim % 8 == 0 and qkv.strides[0] % 16 == 0 and qkv.data.ptr % 16 == 0, "16-byte vectors"
     kernel("store_kv", "store_kv")((len(slots),), (128,), (qkv, k_cache, v_cache, slots, np.int32(num_heads * head_dim),
                                                          np.int32(kv_heads * head_dim), np.int32(qkv.strides[0] // 2)))
 
@@ -130,20 +131,45 @@ def decode_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, 
     _launch_decode("decode_attention", qkv, k_cache, v_cache, (starts, lengths), out, num_heads)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors() -> int:
+    return cp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+SPLIT_MAX_ROWS, MAX_SPLITS = 16, 16  # split the context between blocks for up to 16 sequences, in up to 16 parts
+
+
 def paged_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, block_tables: cp.ndarray,
-                    lengths: cp.ndarray, out: cp.ndarray, num_heads: int) -> None:
+                    lengths: cp.ndarray, out: cp.ndarray, num_heads: int, splits: int | None = None) -> None:
+    """splits: how many blocks share one sequence's context; by default enough for ~2 blocks per SM."""
     assert block_tables.flags.c_contiguous and block_tables.dtype == np.int32
+    n, (_, kv_heads, head_dim) = out.shape[0], k_cache.shape
+    if splits is None:
+        splits = min(MAX_SPLITS, -(-2 * _multiprocessors() // (n * kv_heads))) if n <= SPLIT_MAX_ROWS else 1
+    assert 1 <= splits <= MAX_SPLITS and (splits == 1 or n <= SPLIT_MAX_ROWS)
+    partial = _split_workspace(num_heads, head_dim)  # fixed, allocated once: a CUDA graph keeps its address
     _launch_decode("paged_attention", qkv, k_cache, v_cache,
-                   (block_tables, np.int32(block_tables.shape[1]), lengths), out, num_heads)
+                   (block_tables, np.int32(block_tables.shape[1]), lengths), out, num_heads, splits, (partial,))
+    if splits > 1:
+        kernel("paged_attention", f"merge_splits<{head_dim}>")(
+            (num_heads, n), (head_dim,), (partial, np.int32(splits), out, np.int32(out.strides[0] // 2)))
 
 
-def _launch_decode(name: str, qkv, k_cache, v_cache, where: tuple, out, num_heads: int) -> None:
-    """Both decode attention kernels: grid (kv_heads, n), one instance per (head_dim, query heads per K/V head)."""
+@functools.lru_cache(maxsize=None)
+def _split_workspace(num_heads: int, head_dim: int) -> cp.ndarray:
+    """(SPLIT_MAX_ROWS, num_heads, MAX_SPLITS, head_dim + 2) fp32: each split's output, max and sum."""
+    return cp.empty(SPLIT_MAX_ROWS * num_heads * MAX_SPLITS * (head_dim + 2), np.float32)
+
+
+def _launch_decode(name: str, qkv, k_cache, v_cache, where: tuple, out, num_heads: int, splits: int = 1,
+                   extra: tuple = ()) -> None:
+    """Both decode attention kernels: grid (kv_heads, n, splits), one instance per (head_dim, query heads
+    per K/V head)."""
     _rows_ok(qkv, out)
     _, kv_heads, head_dim = k_cache.shape
     assert head_dim in (16, 32, 64, 128, 256) and num_heads % kv_heads == 0
     assert qkv.strides[0] % 16 == 0 and k_cache.flags.c_contiguous, "16-byte rows for the vector loads"
     k = kernel(name, f"{name}<{head_dim}, {num_heads // kv_heads}>")
-    k((kv_heads, out.shape[0]), (DECODE_THREADS,),
+    k((kv_heads, out.shape[0], splits), (DECODE_THREADS,),
       (qkv, k_cache, v_cache, *where, out, np.int32(kv_heads), np.int32(qkv.strides[0] // 2),
-       np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)))
+       np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5), *extra))

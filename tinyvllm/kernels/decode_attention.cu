@@ -16,7 +16,7 @@ decode_attention(const __nv_bfloat16* qkv, const __nv_bfloat16* k_cache, const _
     const long long head_offset = (long long)kv_head * HEAD_DIM;
     decode_attention_block<HEAD_DIM, GROUP>(
         qkv + (long long)b * qkv_stride + kv_head * GROUP * HEAD_DIM, k_cache + head_offset,
-        v_cache + head_offset, (long long)num_kv_heads * HEAD_DIM, lengths[b],
+        v_cache + head_offset, (long long)num_kv_heads * HEAD_DIM, 0, lengths[b],
         [=](int t) { return (long long)start + t; }, out + (long long)b * out_stride + kv_head * GROUP * HEAD_DIM,
         scale);
 }

@@ -11,6 +11,9 @@
 //     UNROLL keys at a time (all their loads issued before any is used), keeping an online softmax:
 //     running max m, running sum l and running output acc, per query head;
 //   - at the end the groups merge through shared memory: rescale each group by exp(m_g - M), sum.
+// With few sequences (batch 1: 8 blocks for 132 SMs) the paged kernel also splits the context between
+// blocks (chapter 7); each block then covers keys [begin, end) and writes its unnormalized output,
+// max and sum to `partial` instead, and merge_splits below combines them with the same rescaling.
 // Scores are computed in base 2 (q is pre-scaled by log2(e) / sqrt(d)): exp2f is one instruction.
 #pragma once
 #include "common.cuh"
@@ -20,10 +23,12 @@ constexpr int DECODE_UNROLL = 4;
 
 // q: the GROUP query heads of this K/V head (GROUP * HEAD_DIM bf16, contiguous); out: same shape.
 // k_cache/v_cache: (slots, num_kv_heads, HEAD_DIM), already offset to this block's K/V head.
+// partial: null, or this block's (GROUP, HEAD_DIM + 2) fp32 results (output, max, sum), head h at h * partial_stride.
 template <int HEAD_DIM, int GROUP, typename SlotOf>
 __device__ void decode_attention_block(const __nv_bfloat16* q, const __nv_bfloat16* k_cache,
-                                       const __nv_bfloat16* v_cache, long long slot_stride, int length,
-                                       SlotOf slot_of, __nv_bfloat16* out, float scale) {
+                                       const __nv_bfloat16* v_cache, long long slot_stride, int begin, int end,
+                                       SlotOf slot_of, __nv_bfloat16* out, float scale,
+                                       float* partial = nullptr, int partial_stride = 0) {
     constexpr int TPK = HEAD_DIM / 8;                     // threads per key row
     constexpr int GROUPS = DECODE_THREADS / TPK;          // keys processed side by side
     static_assert(HEAD_DIM % 8 == 0 && TPK <= 32 && 32 % TPK == 0, "a key row must fit in one warp");
@@ -40,14 +45,20 @@ __device__ void decode_attention_block(const __nv_bfloat16* q, const __nv_bfloat
         l[h] = 0.0f;
     }
 
-    const int chunk = (length + GROUPS - 1) / GROUPS;
-    const int first = group * chunk, end = min(length, first + chunk);
+    if (begin >= end) {  // a split past a short sequence's end: nothing to add
+        for (int i = threadIdx.x; i < GROUP * (HEAD_DIM + 2); i += blockDim.x)
+            partial[(i / (HEAD_DIM + 2)) * partial_stride + i % (HEAD_DIM + 2)] =
+                i % (HEAD_DIM + 2) == HEAD_DIM ? -INFINITY : 0.0f;
+        return;
+    }
+    const int chunk = (end - begin + GROUPS - 1) / GROUPS;
+    const int first = begin + group * chunk, group_end = min(end, first + chunk);
     // every group runs the same number of iterations (the shuffles below need the whole warp)
     for (int base = first; base < first + chunk; base += DECODE_UNROLL) {
         uint4 k_raw[DECODE_UNROLL], v_raw[DECODE_UNROLL];
         #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {  // issue all loads first; past the end, reload a valid row
-            long long row = slot_of(min(base + u, length - 1)) * slot_stride + lane * 8;
+            long long row = slot_of(min(base + u, end - 1)) * slot_stride + lane * 8;
             k_raw[u] = *reinterpret_cast<const uint4*>(k_cache + row);
             v_raw[u] = *reinterpret_cast<const uint4*>(v_cache + row);
         }
@@ -56,7 +67,7 @@ __device__ void decode_attention_block(const __nv_bfloat16* q, const __nv_bfloat
             float k[8], v[8];
             bf16x8_to_float(k_raw[u], k);
             bf16x8_to_float(v_raw[u], v);
-            bool valid = base + u < end;
+            bool valid = base + u < group_end;
             #pragma unroll
             for (int h = 0; h < GROUP; ++h) {
                 float s = 0.0f;
@@ -84,7 +95,7 @@ __device__ void decode_attention_block(const __nv_bfloat16* q, const __nv_bfloat
         if (lane == 0) { group_m[group] = m[h]; group_l[group] = l[h]; }
         __syncthreads();
         float max_all = -INFINITY;
-        for (int g = 0; g < GROUPS; ++g) max_all = fmaxf(max_all, group_m[g]);  // finite: length >= 1
+        for (int g = 0; g < GROUPS; ++g) max_all = fmaxf(max_all, group_m[g]);  // finite: end > begin
         float mine = exp2f(m[h] - max_all);                                     // 0 for an empty chunk
         #pragma unroll
         for (int i = 0; i < 8; ++i) part[group][lane * 8 + i] = acc[h][i] * mine;
@@ -95,8 +106,32 @@ __device__ void decode_attention_block(const __nv_bfloat16* q, const __nv_bfloat
                 sum += part[g][threadIdx.x];
                 denom += group_l[g] * exp2f(group_m[g] - max_all);
             }
-            out[h * HEAD_DIM + threadIdx.x] = __float2bfloat16(sum / denom);
+            if (partial) {
+                partial[h * partial_stride + threadIdx.x] = sum;
+                if (threadIdx.x == 0) { partial[h * partial_stride + HEAD_DIM] = max_all; partial[h * partial_stride + HEAD_DIM + 1] = denom; }
+            } else {
+                out[h * HEAD_DIM + threadIdx.x] = __float2bfloat16(sum / denom);
+            }
         }
         __syncthreads();  // part[] and group_m[] are rewritten for the next head
     }
+}
+
+// Chapter 7 — merge the splits of one (sequence, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+// Launch: grid (num_heads, n), block (HEAD_DIM). Layout: partial fp32 (n, num_heads, splits, HEAD_DIM + 2)
+//   = output, max, sum of each split (max -inf for an empty split); out bf16 (n, out_stride).
+template <int HEAD_DIM>
+__global__ void merge_splits(const float* __restrict__ partial, int splits, __nv_bfloat16* __restrict__ out,
+                             int out_stride) {
+    const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+    const float* p = partial + ((long long)b * gridDim.x + h) * splits * (HEAD_DIM + 2);
+    float max_all = -INFINITY;
+    for (int s = 0; s < splits; ++s) max_all = fmaxf(max_all, p[s * (HEAD_DIM + 2) + HEAD_DIM]);  // split 0 has keys
+    float sum = 0.0f, denom = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        float weight = exp2f(p[s * (HEAD_DIM + 2) + HEAD_DIM] - max_all);  // 0 for an empty split
+        sum += weight * p[s * (HEAD_DIM + 2) + d];
+        denom += weight * p[s * (HEAD_DIM + 2) + HEAD_DIM + 1];
+    }
+    out[(long long)b * out_stride + h * HEAD_DIM + d] = __float2bfloat16(sum / denom);
 }
