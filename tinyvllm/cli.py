@@ -167,7 +167,9 @@ def cmd_serve(args) -> None:
     from tinyvllm.server import Server, listen
     listen(args.host, args.port).close()  # a port in use is reported before the model loads
     llm = build_llm(args, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
-    Server(llm, args.model, args.host, args.port, args.max_queue).serve()
+    server = Server(llm, args.model, args.host, args.port, args.max_queue)
+    print(f"serving {args.model!r} on {llm.device}: OpenAI API at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr)
+    server.serve()
 
 
 def cmd_info(args) -> None:

@@ -13,7 +13,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure  # no pyplot: the same code draws for files (Agg) and notebooks
 from matplotlib.patches import Patch
 
-from chapters.ch07_batching import checkpoint
+from chapters.ch07_batching import checkpoint, server_demo
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.block_manager import BLOCK_SIZE
 from tinyvllm.engine import Engine
@@ -279,4 +279,5 @@ FIGURES = {
     "ch07_throughput_vs_concurrency.png": draw_throughput_vs_concurrency,
     "ch07_prefix_hits.png": draw_prefix_hits,
     "ch07_throughput_h200.png": draw_throughput_h200,
+    "ch07_server_batch.png": server_demo.draw_server_batch,
 }
