@@ -3,7 +3,7 @@
 For batch 1, 16, 64, 256 and contexts 512 and 4096 (Llama 3.2 1B's attention: 32 query heads, 8 K/V
 heads of 64), one layer's decode attention over a contiguous cache (chapter 5's kernel) and over a
 paged pool whose blocks were handed out in random order (chapter 6's kernel), also with the context
-split between blocks as the engine runs it for up to 16 sequences (chapter 7). Reports the K/V bytes
+split between blocks as the engine runs it for a few sequences (chapter 7). Reports the K/V bytes
 read per second against the copy bandwidth measured in the same run; each kernel is timed on the GPU's
 clock, queued behind hold_gpu() so the host's launch overhead is not counted (bench/decode.py measures it). Writes
 bench/results/paged_attention-<time>.json.
@@ -44,7 +44,7 @@ def measure(batch: int, context: int, bandwidth: float) -> dict:
                         .reshape(batch, blocks_per_seq))  # every sequence's blocks scattered over the pool
     kv_bytes = 2 * k.nbytes  # K and V of every cached token, read once
     row = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
-    splits = {"paged": 1, "paged_split": None}  # chapter 6's kernel; the engine's choice (split for <= 16 rows)
+    splits = {"paged": 1, "paged_split": None}  # chapter 6's kernel; the engine's choice (chapter 7)
     for name, call in [("contiguous", lambda: cuda_ops.decode_attention(qkv, k, v, starts, lengths, out, HEADS)),
                        *[(n, lambda s=s: cuda_ops.paged_attention(qkv, k, v, tables, lengths, out, HEADS, s))
                          for n, s in splits.items()]]:

@@ -8,7 +8,8 @@ together, one decode_step for all of them per token. As answers grow, their new 
 pool; one request is cancelled early (its blocks become holes) and a finished answer frees its blocks too;
 the pool is small enough that later blocks must reuse those holes. The block tables and the pool's
 occupancy are printed along the way. Then three checks:
-  (a) each answer's greedy tokens equal what its prompt gives alone through chapter 5's ContiguousKVCache;
+  (a) each answer's greedy tokens equal what its prompt gives alone through chapter 5's ContiguousKVCache
+      (on a GPU, 90% of the tokens: bf16 sums in another order may flip a near tie);
   (b) the block manager stayed consistent after every step (no block twice, none lost, ref counts right,
       ceil(L / 16) blocks for L tokens) and all blocks are free at the end;
   (c) the block manager and slot_mapping in tinyvllm.block_manager (yours, with --impl student) replay the
@@ -212,20 +213,32 @@ def answer_text(tok: Tokenizer, tokens: list[int], stops: set[int]) -> str:
 
 # ---- the checks ----
 
+GPU_AGREEMENT = 0.9  # on a GPU the paged kernel may split a context between blocks (chapter 7): its fp32 sums
+                     # run in another order than the contiguous kernel's and can flip a near tie (random weights have many)
+
+
+def token_agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[list[int], float]:
+    """Which answers differ from their reference, and the fraction of tokens that agree position by position."""
+    differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    pairs = [(a, b) for x, y in zip(ours, theirs) for a, b in zip(x, y)]
+    return differ, sum(a == b for a, b in pairs) / max(len(pairs), 1)
+
+
 def check_alone(model: Model, tok: Tokenizer, run: Run) -> Stage:
-    """(a) every answer against its prompt decoded alone through chapter 5's contiguous cache."""
-    start, differ = time.perf_counter(), []
+    """(a) every answer against its prompt decoded alone through chapter 5's contiguous cache: identical on
+    the CPU, >= GPU_AGREEMENT of the tokens on a GPU."""
+    start, expected = time.perf_counter(), []
     for seq, ids in enumerate(run.prompts):
         cache = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=len(ids) + MAX_NEW_TOKENS)
         alone = ch05.generate(model, tok, ids, cache, 0, max_new_tokens=MAX_NEW_TOKENS).tokens
-        ours = run.tokens[seq]
-        expected = alone[:len(ours)] if run.ended[seq] == "cancelled" else alone  # a cancelled answer: a prefix
-        if ours != expected:
-            differ.append(seq)
+        cancelled = run.ended[seq] == "cancelled"
+        expected.append(alone[:len(run.tokens[seq])] if cancelled else alone)  # a cancelled answer: a prefix
+    differ, agree = token_agreement([run.tokens[seq] for seq in range(len(run.prompts))], expected)
+    ok = not differ if model.ops.xp.__name__ == "numpy" else agree >= GPU_AGREEMENT
     n = sum(len(t) for t in run.tokens.values())
     return Stage("(a) greedy tokens vs each prompt alone", f"{len(run.prompts)} answers, {n} tokens",
                  time.perf_counter() - start, "ContiguousKVCache, one sequence: " +
-                 ("identical" if not differ else f"sequences {differ} differ"), not differ)
+                 ("identical" if not differ else f"sequences {differ} differ ({agree:.1%} of tokens agree)"), ok)
 
 
 def check_consistency(run: Run) -> Stage:

@@ -31,6 +31,7 @@ from types import ModuleType
 from chapters.ch01_map.checkpoint import Stage
 from chapters.ch03_prefill.checkpoint import print_table
 from chapters.ch05_decode import checkpoint as ch05
+from chapters.ch06_paged_kv.checkpoint import GPU_AGREEMENT, token_agreement
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.backend import cuda_available
 from tinyvllm.block_manager import BlockManager
@@ -51,7 +52,6 @@ MAX_TOKENS = (8, 16, 24, 32, 40)  # request i: MAX_TOKENS[i % 5], so lengths dif
 MAX_NUM_SEQS = 8                  # slots: sequences in one step
 NUM_BLOCKS = 28                   # 8 prompts take 3 blocks each; growing to 4 or 5, they cannot all fit
 TIMELINE_WIDTH = 100              # steps shown in the printed timeline
-GPU_AGREEMENT = 0.9               # bf16 on a GPU: the fraction of tokens that must match the run alone
                                   # (one flipped near tie changes the rest of that answer; a random-weight
                                   # model, as on a GPU server without the default model, has many: 96% measured)
 
@@ -174,9 +174,7 @@ def timeline(run: Run, labels: list[str], width: int = TIMELINE_WIDTH) -> list[s
 
 def check_answers(name: str, run: Run, alone: list[list[int]], device: str) -> Stage:
     """Each request's tokens against its run alone: identical on the CPU, >= GPU_AGREEMENT (90%) of the tokens on a GPU."""
-    differ = [i for i, (a, b) in enumerate(zip(run.tokens, alone)) if a != b]
-    pairs = [(a, b) for ours, theirs in zip(run.tokens, alone) for a, b in zip(ours, theirs)]
-    agree = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+    differ, agree = token_agreement(run.tokens, alone)
     ok = not differ if device == "cpu" else agree >= GPU_AGREEMENT
     verdict = "identical" if not differ else f"requests {differ[:6]} differ ({agree:.1%} of tokens agree)"
     return Stage(name, f"{len(run.tokens)} answers, {run.output_tokens} tokens", 0.0,

@@ -136,16 +136,19 @@ def _multiprocessors() -> int:
     return cp.cuda.Device().attributes["MultiProcessorCount"]
 
 
-SPLIT_MAX_ROWS, MAX_SPLITS = 16, 16  # split the context between blocks for up to 16 sequences, in up to 16 parts
+SPLIT_MAX_ROWS, MAX_SPLITS = 16, 16  # the workspace's size: up to 16 sequences, each context in up to 16 parts
 
 
 def paged_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, block_tables: cp.ndarray,
                     lengths: cp.ndarray, out: cp.ndarray, num_heads: int, splits: int | None = None) -> None:
-    """splits: how many blocks share one sequence's context; by default enough for ~2 blocks per SM."""
+    """splits: how many blocks share one sequence's context. By default the context is split only when
+    one block per (sequence, K/V head) would leave most SMs idle (bench/paged_attention.py: at 16
+    sequences x 8 heads the extra merge costs more than it gains), into enough parts for ~2 blocks per SM."""
     assert block_tables.flags.c_contiguous and block_tables.dtype == np.int32
     n, (_, kv_heads, head_dim) = out.shape[0], k_cache.shape
     if splits is None:
-        splits = min(MAX_SPLITS, -(-2 * _multiprocessors() // (n * kv_heads))) if n <= SPLIT_MAX_ROWS else 1
+        blocks, sms = n * kv_heads, _multiprocessors()
+        splits = min(MAX_SPLITS, -(-2 * sms // blocks)) if 2 * blocks <= sms and n <= SPLIT_MAX_ROWS else 1
     assert 1 <= splits <= MAX_SPLITS and (splits == 1 or n <= SPLIT_MAX_ROWS)
     partial = _split_workspace(num_heads, head_dim)  # fixed, allocated once: a CUDA graph keeps its address
     _launch_decode("paged_attention", qkv, k_cache, v_cache,
