@@ -191,8 +191,8 @@ def cmd_synth(args) -> None:
     print(synth_model(args.like, args.out, seed=args.seed, **overrides))
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "info": cmd_info, "model-path": cmd_model_path,
-            "synth": cmd_synth}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "info": cmd_info,
+            "model-path": cmd_model_path, "synth": cmd_synth}
 
 
 def main(argv: list[str] | None = None) -> int:

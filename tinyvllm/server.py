@@ -190,14 +190,14 @@ def create_app(engine_loop: EngineLoop, model_name: str, max_body_bytes: int = M
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_request(request, api.CompletionRequest, max_body_bytes)
-        return await generate(request, body, body.max_tokens, chat=False)
+        return await generate(body, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_request(request, api.ChatRequest, max_body_bytes)
-        return await generate(request, body, body.reply_tokens, chat=True)
+        return await generate(body, body.reply_tokens, chat=True)
 
-    async def generate(request: Request, body, max_tokens: int | None, chat: bool):
+    async def generate(body, max_tokens: int | None, chat: bool):
         if body.model not in (None, model_name):
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
