@@ -168,22 +168,26 @@ def test_a_full_queue_gets_429(server, llm):
     scheduler, engine_loop = llm.llm_engine.scheduler, server.engine_loop
     scheduler.max_num_seqs, engine_loop.max_queue = 1, 1     # one slot, one place in the queue
     body = {"model": "default", "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "stream": True}
+    short = {"prompt": "Hi", "max_tokens": 2}
+    queued = []
     try:
-        with httpx.Client(base_url=server.url, timeout=30) as http:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
             with http.stream("POST", "/v1/completions", json=body) as running:   # holds the only slot
                 lines = running.iter_lines()   # kept: a dropped iterator would close the response
                 next(line for line in lines if line)
-                waiting = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",),
-                                           kwargs={"json": {"prompt": "Hi", "max_tokens": 2}, "timeout": 30})
+                waiting = threading.Thread(target=lambda: queued.append(
+                    httpx.post(f"{server.url}/v1/completions", json=short, timeout=120)))
                 waiting.start()
-                deadline = time.time() + 10
+                deadline = time.time() + 60
                 while not scheduler.waiting and time.time() < deadline:
                     time.sleep(0.001)
-                r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-            waiting.join()
+                assert len(scheduler.waiting) == 1, "the second request should be waiting for the slot"
+                r = http.post("/v1/completions", json=short)                     # one too many
+            waiting.join()                     # the stream closed: the waiting request got the slot
     finally:
         scheduler.max_num_seqs, engine_loop.max_queue = 256, 256
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    assert queued[0].status_code == 200 and queued[0].json()["usage"]["completion_tokens"] == 2
     assert llm.cache.blocks.num_free == NUM_BLOCKS
 
 
