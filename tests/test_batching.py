@@ -137,3 +137,13 @@ def test_graph_inputs_written_incrementally_equal_a_full_rewrite():
         for row in range(len(running), size):            # padding rows: one token in the scratch block
             assert host.tables[row, 0] == cache.scratch_block
             assert host.vectors[:, row].tolist() == [0, 0, cache.scratch_block * BLOCK_SIZE, 1]
+
+
+def test_a_scheduler_that_admits_nobody_is_an_error_not_a_hang(default_model_dir, monkeypatch):
+    """A broken admit() (as a student's first attempt may be) must stop the loop with a clear message."""
+    from tinyvllm import scheduler
+    from tinyvllm.errors import TinyVLLMError
+    llm = LLM(default_model_dir, device="cpu", num_blocks=40)
+    monkeypatch.setattr(scheduler, "admit", lambda sched, step, free: None)
+    with pytest.raises(TinyVLLMError, match="runs nothing while 1 requests wait"):
+        llm.generate([[1, 2, 3]], GREEDY)

@@ -16,6 +16,7 @@ import numpy as np
 
 from tinyvllm.block_manager import BLOCK_SIZE
 from tinyvllm.decode import decode_step
+from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model import Model
 from tinyvllm.paged_cache import PagedKVCache
 from tinyvllm.prefill import prefill_batch
@@ -53,6 +54,10 @@ class Engine:
     def step(self) -> list[tuple[Sequence, str]]:
         """One step of the loop; returns (sequence, the text it released) for every sequence that ran."""
         plan = self.scheduler.schedule()
+        if not (plan.prefills or plan.decodes or plan.preempted) and self.has_work():
+            raise TinyVLLMError(f"the scheduler planned a step that runs nothing while {len(self.scheduler.waiting)} "
+                                f"requests wait and {self.cache.blocks.num_free} blocks are free; admit() must "
+                                "admit the first waiting request when nothing is running")  # else: loop forever
         released = []
         if plan.prefills:
             prompts = [s.token_ids[s.num_cached:] for s in plan.prefills]  # a cached prefix is not recomputed
