@@ -79,7 +79,6 @@ class EngineLoop:
         self.step_times: list[float] = []              # time.perf_counter() at the end of each step
         self._commands: list = []
         self._wake = threading.Condition()
-        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
 
     def start(self) -> EngineLoop:
