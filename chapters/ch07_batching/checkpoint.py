@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -110,7 +111,7 @@ def warm_up(llm: LLM, prompts: list[list[int]]) -> float:
 
 
 def run_continuous(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
-                   use_tqdm: bool = True) -> Run:
+                   use_tqdm: bool = sys.stderr.isatty()) -> Run:  # no bar in a log (make course, CI)
     """Every request submitted at once: the scheduler refills a slot as soon as it frees."""
     engine, first_step = llm.llm_engine, len(llm.llm_engine.trace)
     start = time.perf_counter()

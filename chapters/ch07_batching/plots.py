@@ -243,7 +243,8 @@ def draw_prefix_hits() -> Figure:
               label=f"no prefix caching: {sum(m['plain']['computed']):,} tokens, {m['plain']['seconds']:.1f} s in all")
     right.bar(n + width / 2, m["cached"]["computed"], width, color="#55A868",
               label=f"prefix caching: {sum(m['cached']['computed']):,} tokens, {m['cached']['seconds']:.1f} s in all")
-    right.set(xlabel="request", ylabel="prompt tokens prefill computed")
+    right.set(xlabel="request", ylabel="prompt tokens prefill computed",
+              ylim=(0, 1.4 * max(m["plain"]["computed"])))  # headroom: the legend sits above the bars
     right.set_xticks(n)
     right.set_title("prefill work per request (the first one fills the cache for the rest)", fontsize=10)
     right.legend(fontsize=8, loc="upper right")
