@@ -191,7 +191,10 @@ def test_a_full_queue_gets_429(server, llm):
     assert llm.cache.blocks.num_free == NUM_BLOCKS
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_blocks_within_one_step(server, llm):
+def test_a_client_that_leaves_mid_stream_frees_its_blocks_within_one_step(server, llm, monkeypatch):
+    engine_loop, noticed = server.engine_loop, []   # when the HTTP side posted the abort: (time, steps then)
+    abort = engine_loop.abort
+    monkeypatch.setattr(engine_loop, "abort", lambda s: (noticed.append((time.time(), engine_loop.steps)), abort(s)))
     body = {"model": "default", "prompt": PROMPTS[2], "max_tokens": 300, "temperature": 0, "stream": True}
     with httpx.Client(base_url=server.url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
@@ -199,12 +202,13 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks_within_one_step(server
             for _ in range(3):
                 next(line for line in events if line)
             assert llm.cache.blocks.num_free < NUM_BLOCKS
-        steps_at_close = server.engine_loop.steps       # the response is closed: the client has left
-    deadline = time.time() + 10
+    left = time.time()                                  # the response is closed: the client has gone
+    deadline = left + 10
     while llm.cache.blocks.num_free < NUM_BLOCKS and time.time() < deadline:
         time.sleep(0.001)
-    assert llm.cache.blocks.num_free == NUM_BLOCKS and not server.engine_loop.streams
-    assert server.engine_loop.steps - steps_at_close <= 1
+    assert llm.cache.blocks.num_free == NUM_BLOCKS and not engine_loop.streams and not llm.llm_engine.has_work()
+    assert len(noticed) == 1 and noticed[0][0] - left < 2, "the server should notice the disconnect at once"
+    assert engine_loop.steps - noticed[0][1] <= 1, "only the step already running may finish before the abort"
 
 
 def test_serve_on_a_port_in_use_is_one_line_and_exit_2(capsys):
