@@ -6,7 +6,8 @@ Every shape in the engine is derived from this one object, so a checkpoint of an
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import sys
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tinyvllm.errors import TinyVLLMError
@@ -50,40 +51,112 @@ class LlamaConfig:
 
 
 def config_from_dict(d: dict, where: str = "config.json") -> LlamaConfig:
-    """Validate a HF config dict and keep the fields the engine uses."""
-    arch = (d.get("architectures") or [d.get("model_type", "?")])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise TinyVLLMError(f"{where}: architecture {arch!r} is not supported; tinyvllm runs "
+    """Validate a HF config dict and keep the fields the engine uses; `where` names it in errors."""
+    d = {k: v for k, v in d.items() if v is not None}  # null means "not set", as in transformers
+    archs = d.get("architectures") or [d.get("model_type", "?")]
+    if not isinstance(archs, list):
+        raise TinyVLLMError(f"{where}: architectures must be a list like [\"LlamaForCausalLM\"], got {archs!r}")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise TinyVLLMError(f"{where}: architecture {archs[0]!r} is not supported; tinyvllm runs "
                             f"{', '.join(SUPPORTED_ARCHITECTURES)} checkpoints (Llama 3.x, SmolLM2)")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in d]
     if missing:
         raise TinyVLLMError(f"{where}: missing {', '.join(missing)}; is this a HF Llama config.json?")
-    heads = int(d["num_attention_heads"])
-    kv_heads = int(d.get("num_key_value_heads") or heads)
-    head_dim = int(d.get("head_dim") or d["hidden_size"] // heads)
+    hidden, heads = _size(d, "hidden_size", where), _size(d, "num_attention_heads", where)
+    kv_heads = _size(d, "num_key_value_heads", where, default=heads)  # none given: one K/V head per head
     if heads % kv_heads:
         raise TinyVLLMError(f"{where}: num_attention_heads={heads} is not a multiple of "
                             f"num_key_value_heads={kv_heads}")
-    scaling = d.get("rope_scaling") or d.get("rope_parameters")  # transformers >= 5 writes rope_parameters
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind in (None, "default"):  # plain RoPE: rope_parameters may hold only rope_theta
-            scaling = None
-        elif kind != "llama3":
-            raise TinyVLLMError(f"{where}: rope_scaling type {kind!r} is not supported (only 'llama3')")
-    rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    eos = d.get("eos_token_id")
-    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    tie = d.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):  # bool("false") would be True
+        raise TinyVLLMError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
+    bos = d.get("bos_token_id")
+    if bos is not None and not is_token_id(bos):
+        raise TinyVLLMError(f"{where}: bos_token_id must be a token id (an integer >= 0), got {bos!r}")
+    params = _rope_parameters(d, where)
     return LlamaConfig(
-        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        rope_theta=float(rope_theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(d.get("max_position_embeddings", 8192)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        rope_scaling=dict(scaling) if scaling else None,
-        bos_token_id=d.get("bos_token_id"), eos_token_ids=eos)
+        vocab_size=_size(d, "vocab_size", where), hidden_size=hidden,
+        intermediate_size=_size(d, "intermediate_size", where),
+        num_hidden_layers=_size(d, "num_hidden_layers", where),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=_head_dim(d, hidden, heads, where),
+        rope_theta=_positive_number(d, "rope_theta", where, default=params.get("rope_theta", 10000.0)),
+        rms_norm_eps=_positive_number(d, "rms_norm_eps", where, default=1e-5),
+        max_position_embeddings=_size(d, "max_position_embeddings", where, default=8192),
+        tie_word_embeddings=tie, rope_scaling=_rope_scaling(d, params, where),
+        bos_token_id=bos, eos_token_ids=_token_ids(d.get("eos_token_id"), "eos_token_id", where))
+
+
+def _size(d: dict, key: str, where: str, default: int | None = None) -> int:
+    """d[key] as a size: a positive JSON integer. Not 2.5, "64" or true, which int() would let through."""
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TinyVLLMError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_number(d: dict, key: str, where: str, default: float | None = None) -> float:
+    value = d.get(key, default)
+    # the upper bound rejects NaN and Infinity (which Python's json accepts) and ints too big for a float
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= sys.float_info.max:
+        raise TinyVLLMError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def is_token_id(value: object) -> bool:
+    """A JSON integer >= 0 (JSON's true and false are Python ints too)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _token_ids(value: object, key: str, where: str) -> tuple[int, ...]:
+    """A stop-token field (eos_token_id): one token id, a list of them, or None for none."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(is_token_id(i) for i in ids):
+        raise TinyVLLMError(f"{where}: {key} must be a token id (an integer >= 0) or a list of them, "
+                            f"got {value!r}")
+    return tuple(ids)
+
+
+def _head_dim(d: dict, hidden: int, heads: int, where: str) -> int:
+    """head_dim, or hidden_size / num_attention_heads where the config leaves it out."""
+    if "head_dim" in d:
+        head_dim = _size(d, "head_dim", where)
+    elif hidden % heads:
+        raise TinyVLLMError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
+                            "set head_dim")
+    else:
+        head_dim = hidden // heads
+    if head_dim % 2:  # RoPE rotates dimension i with dimension i + head_dim/2
+        raise TinyVLLMError(f"{where}: head_dim must be even (RoPE rotates pairs of dimensions), got {head_dim}")
+    return head_dim
+
+
+def _rope_parameters(d: dict, where: str) -> dict:
+    """transformers >= 5 writes rope_theta and the scaling into one rope_parameters object."""
+    params = d.get("rope_parameters", {})
+    if not isinstance(params, dict):
+        raise TinyVLLMError(f"{where}: rope_parameters must be an object, got {params!r}")
+    return params
+
+
+def _rope_scaling(d: dict, params: dict, where: str) -> dict | None:
+    """The llama3 frequency scaling, or None for plain RoPE."""
+    key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    scaling = d.get("rope_scaling") or params
+    if not isinstance(scaling, dict):
+        raise TinyVLLMError(f"{where}: {key} must be an object, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):  # plain RoPE: rope_parameters may hold only rope_theta
+        return None
+    if kind != "llama3":
+        raise TinyVLLMError(f"{where}: {key} type {kind!r} is not supported (only 'llama3')")
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):  # reference.rope_inv_freq reads them all
+        _positive_number(scaling, name, f"{where}: {key}")
+    _size(scaling, "original_max_position_embeddings", f"{where}: {key}")
+    if scaling["low_freq_factor"] >= scaling["high_freq_factor"]:  # the ramp between them divides by the gap
+        raise TinyVLLMError(f"{where}: {key}: low_freq_factor must be below high_freq_factor, got "
+                            f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
+    return dict(scaling)
 
 
 def load_config(model_dir: str | Path) -> LlamaConfig:
@@ -96,20 +169,33 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
     if not path.is_file():
         raise TinyVLLMError(f"{model_dir} has no config.json; pass a HF-layout model directory "
                             "(config.json + *.safetensors)")
-    d = _read_json(path)
+    cfg = config_from_dict(read_json_object(path), str(path))
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():  # Llama 3 Instruct lists all three stop ids only here
-        gen_eos = _read_json(gen_path).get("eos_token_id")
+        gen_eos = read_json_object(gen_path).get("eos_token_id")
         if gen_eos is not None:
-            d = {**d, "eos_token_id": gen_eos}
-    return config_from_dict(d, str(path))
+            cfg = replace(cfg, eos_token_ids=_token_ids(gen_eos, "eos_token_id", str(gen_path)))
+    return cfg
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A JSON file whose top level is an object, as every HF model file is; else a one-line error."""
+    fix = "re-download or re-create the file"
     try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TinyVLLMError(f"{path}: not valid JSON ({e}); re-download or re-create the file") from None
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise TinyVLLMError(f"{path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise TinyVLLMError(f"{path}: not UTF-8 text, so not JSON; {fix}") from None
+    if not text.strip():
+        raise TinyVLLMError(f"{path}: the file is empty; {fix}")
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TinyVLLMError(f"{path}: not valid JSON ({e}); {fix}") from None
+    if not isinstance(d, dict):
+        raise TinyVLLMError(f"{path}: must hold a JSON object {{...}}, got a {type(d).__name__}; {fix}")
+    return d
 
 
 def expected_tensor_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

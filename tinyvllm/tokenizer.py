@@ -19,6 +19,7 @@ import regex
 import tiktoken
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tinyvllm.config import is_token_id, read_json_object
 from tinyvllm.errors import TinyVLLMError
 
 # Meta's Llama 3 split regex: contractions, words, 1-3 digit groups, punctuation runs, whitespace.
@@ -125,9 +126,15 @@ class Tokenizer:
         if self.chat_template is None:
             raise TinyVLLMError("this tokenizer has no chat template; put a chat_template.jinja file "
                                 "in the model directory or set chat_template in tokenizer_config.json")
-        return _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateSyntaxError as e:  # str(e) spans lines: the message and line number are enough
+            raise TinyVLLMError(f"the chat template has a syntax error at line {e.lineno}: {e.message}; "
+                                "fix chat_template.jinja or chat_template in tokenizer_config.json") from None
+        except jinja2.TemplateError as e:  # e.g. the template's raise_exception() refusing this conversation
+            raise TinyVLLMError(f"the chat template failed: {e.message}") from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids for a conversation, where only the template can produce special tokens."""
@@ -193,9 +200,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         hf_json, config = files["tokenizer.json"], files["tokenizer_config.json"]
     else:
         json_file = file if file.suffix == ".json" else file.parent / "tokenizer.json"
-        hf_json = _read_json(json_file) if json_file.is_file() else None
+        hf_json = _read_tokenizer_json(json_file) if json_file.is_file() else None
         config_file = file.parent / "tokenizer_config.json"
-        config = _read_json(config_file) if config_file.is_file() else {}
+        config = _read_tokenizer_config(config_file) if config_file.is_file() else {}
     if file.name == "tokenizer.model":
         ranks, pattern = _read_tiktoken_ranks(file), LLAMA3_PATTERN
         specials = _added_tokens(hf_json) if hf_json else _llama3_special_tokens(len(ranks))
@@ -222,24 +229,88 @@ def _find_tokenizer_file(folder: Path) -> Path:
                         "exactly one .gguf file; copy the model's tokenizer files there")
 
 
-def _read_json(file: Path) -> dict:
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise TinyVLLMError(f"{file} is not valid JSON ({e}); re-download it") from None
+def _read_tokenizer_json(file: Path) -> dict:
+    """tokenizer.json, checked where tinyvllm reads it: a byte-level BPE model, its vocab, added_tokens
+    and the pre_tokenizer's shape (which pre_tokenizers are supported is _split_pattern's question)."""
+    hf_json = read_json_object(file)
+    model = hf_json.get("model")
+    if not isinstance(model, dict):
+        raise TinyVLLMError(f"{file}: model must be an object (the BPE vocab and merges), got {model!r:.80}; "
+                            "re-download it")
+    if model.get("type") != "BPE" or hf_json.get("normalizer") or model.get("byte_fallback"):
+        raise TinyVLLMError(f"{file} is not a byte-level BPE tokenizer (Llama 3 / GPT-2 style), "
+                            "the only kind tinyvllm supports")
+    _check_vocab(model.get("vocab"), file)
+    added = hf_json.get("added_tokens", [])
+    if not isinstance(added, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("content"), str) and is_token_id(t.get("id")) for t in added):
+        raise TinyVLLMError(f"{file}: added_tokens must be a list of {{\"id\": integer, \"content\": string}} "
+                            "objects; re-download it")
+    pre = hf_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else None
+    if not isinstance(steps, list) or not all(isinstance(step, dict) for step in steps):
+        raise TinyVLLMError(f"{file}: pre_tokenizer must be an object, or a Sequence of them in "
+                            f"pretokenizers, got {pre!r:.80}; re-download it")
+    return hf_json
+
+
+def _check_vocab(vocab: object, file: Path) -> None:
+    """model.vocab maps each token to its own id: tiktoken takes the ids as ranks and aborts on a repeat."""
+    if not isinstance(vocab, dict) or not vocab:
+        raise TinyVLLMError(f"{file}: model.vocab must be a non-empty {{token: id}} object; re-download it")
+    owner: dict[int, str] = {}
+    for token, i in vocab.items():
+        if not is_token_id(i):
+            raise TinyVLLMError(f"{file}: model.vocab gives {token!r} the id {i!r}; ids are integers >= 0")
+        if i in owner:
+            raise TinyVLLMError(f"{file}: model.vocab gives the id {i} to both {owner[i]!r} and {token!r}")
+        owner[i] = token
+
+
+def _read_tokenizer_config(file: Path) -> dict:
+    """tokenizer_config.json, checked where tinyvllm reads it: bos_token, eos_token and chat_template."""
+    config = read_json_object(file)
+    for key in ("bos_token", "eos_token"):
+        if config.get(key) is not None and not isinstance(_token_text(config[key]), str):
+            raise TinyVLLMError(f"{file}: {key} must be a string or {{\"content\": string}}, got {config[key]!r}")
+    template = config.get("chat_template")
+    named = isinstance(template, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str)
+                                               for t in template)
+    if not (template is None or isinstance(template, str) or named):
+        raise TinyVLLMError(f"{file}: chat_template must be a string or a list of "
+                            f"{{\"name\", \"template\"}} objects, got {template!r:.80}")
+    return config
 
 
 def _read_tiktoken_ranks(file: Path) -> dict[bytes, int]:
-    """Parse tiktoken's format: one 'base64-token rank' pair per line."""
-    try:
-        lines = file.read_bytes().splitlines()
-        ranks = {base64.b64decode(tok, validate=True): int(rank) for tok, rank in (ln.split() for ln in lines if ln)}
-    except ValueError:
-        ranks = {}
+    """Parse tiktoken's format: one 'base64-token rank' pair per line; a rank is a token id, so unique."""
+    ranks: dict[bytes, int] = {}
+    taken: set[int] = set()
+    for number, line in enumerate(file.read_bytes().splitlines(), 1):
+        if line:
+            token, rank = _tiktoken_pair(line, file, number, first=not ranks)
+            if rank in taken:  # tiktoken would abort the process (a Rust panic), not raise
+                raise TinyVLLMError(f"{file} line {number}: rank {rank} is given to an earlier token too; "
+                                    "re-download the file")
+            ranks[token] = rank
+            taken.add(rank)
     if not ranks:
+        raise TinyVLLMError(f"{file} is empty; re-download it")
+    return ranks
+
+
+def _tiktoken_pair(line: bytes, file: Path, number: int, first: bool) -> tuple[bytes, int]:
+    """One line of a tiktoken file: (token bytes, rank)."""
+    parts = line.split()
+    if len(parts) == 2 and parts[1].isdigit():  # isdigit: no sign, so no negative rank
+        try:
+            return base64.b64decode(parts[0], validate=True), int(parts[1])
+        except ValueError:  # binascii.Error: not base64
+            pass
+    if first:  # the very first line fails: another format altogether
         raise TinyVLLMError(f"{file} is not a tiktoken BPE file (Llama 3 format); "
                             "SentencePiece tokenizer.model files (Llama 2) are not supported")
-    return ranks
+    raise TinyVLLMError(f"{file} line {number} is not a 'base64-token rank' pair: {line[:60]!r}; re-download it")
 
 
 def _llama3_special_tokens(first_id: int) -> dict[str, int]:
@@ -253,11 +324,8 @@ def _added_tokens(hf_json: dict) -> dict[str, int]:
 
 
 def _from_hf_json(hf_json: dict, file: Path) -> tuple[dict[bytes, int], dict[str, int], str]:
-    """Ranks, special tokens and split regex of an HF byte-level BPE tokenizer.json."""
-    model = hf_json.get("model", {})
-    if model.get("type") != "BPE" or hf_json.get("normalizer") or model.get("byte_fallback"):
-        raise TinyVLLMError(f"{file} is not a byte-level BPE tokenizer (Llama 3 / GPT-2 style), "
-                            "the only kind tinyvllm supports")
+    """Ranks, special tokens and split regex of an HF byte-level BPE tokenizer.json (checked on reading)."""
+    model = hf_json["model"]
     specials = _added_tokens(hf_json)
     special_ids = set(specials.values())
     try:  # merges follow id order in these vocabs, so an id works as tiktoken's merge rank
@@ -270,12 +338,13 @@ def _from_hf_json(hf_json: dict, file: Path) -> tuple[dict[bytes, int], dict[str
 def _split_pattern(pre: dict | None, file: Path) -> str:
     """The one regex equivalent to the pre_tokenizer shapes used by Llama 3, GPT-2 and SmolLM2."""
     steps = pre.get("pretokenizers", [pre]) if pre else []
-    shape = [s["type"] for s in steps]
+    shape = [s.get("type") for s in steps]
     if shape[-1:] == ["ByteLevel"] and not steps[-1].get("add_prefix_space"):
         first, gpt2_regex = steps[0], steps[-1].get("use_regex", True)
-        isolated_regex = first.get("behavior") == "Isolated" and "Regex" in first.get("pattern", {})
+        pattern = first.get("pattern") if isinstance(first.get("pattern"), dict) else {}
+        isolated_regex = first.get("behavior") == "Isolated" and isinstance(pattern.get("Regex"), str)
         if shape == ["Split", "ByteLevel"] and not gpt2_regex and isolated_regex:
-            return first["pattern"]["Regex"]
+            return _checked_regex(pattern["Regex"], file)
         if shape == ["ByteLevel"] and gpt2_regex:
             return GPT2_PATTERN
         if shape == ["Digits", "ByteLevel"] and gpt2_regex and first.get("individual_digits"):
@@ -284,14 +353,27 @@ def _split_pattern(pre: dict | None, file: Path) -> str:
                         "supported: Llama 3 Split regex, GPT-2 ByteLevel, Digits + ByteLevel")
 
 
+def _checked_regex(pattern: str, file: Path) -> str:
+    """The Split regex, compiled here so that a broken one is a one-line error, not tiktoken's ValueError."""
+    try:
+        regex.compile(pattern)
+    except regex.error as e:
+        raise TinyVLLMError(f"{file}: the pre_tokenizer's Split regex does not compile ({e}); re-download it") from None
+    return pattern
+
+
 def _token_text(token: str | dict | None) -> str | None:
     """tokenizer_config.json writes a token as its text or as {"content": text, ...}."""
     return token.get("content") if isinstance(token, dict) else token
 
 
 def _find_chat_template(folder: Path, config: dict, is_llama3: bool) -> str | None:
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise TinyVLLMError(f"{jinja} is not UTF-8 text; re-download or re-create it") from None
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one is for chat
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
