@@ -316,7 +316,7 @@ def test_admit_and_choose_victim_in_the_engine_change_no_answer(impl, monkeypatc
     assert sum(s.preemptions for s in seqs) > 0, "the pool was meant to run out"
     for i, (seq, expected) in enumerate(zip(seqs, alone)):
         assert seq.output_ids == expected, f"request {i} ({len(prompts[i])} prompt tokens) differs from its run alone"
-    trace = engine.trace
+    trace = engine.trace_since(0)  # every step of this run (an error if the ring forgot some)
     first = [s for t in trace for s in t["prefill"]]
     first = [s for i, s in enumerate(first) if s not in first[:i]]
     assert first == sorted(first), "a request started before one that arrived earlier"

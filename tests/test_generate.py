@@ -1,5 +1,10 @@
-"""The Python API end to end on the default model: chat, raw prompts, streaming, stop strings, limits, seeds."""
+"""The Python API end to end on the default model: chat, raw prompts, streaming, stop strings, limits, seeds,
+n samples per request, one request's failure kept to itself, and the seed and temperature flags of the CLI."""
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -152,3 +157,162 @@ def test_prompt_longer_than_the_context_window_is_refused(llm):
 def test_bad_prompt_ids_are_refused(llm, prompt_ids, message):
     with pytest.raises(TinyVLLMError, match=message):
         next(llm.stream(prompt_ids, SamplingParams(max_tokens=1)))
+
+
+# ---------------------------------------------------------------- seeds and tiny temperatures
+
+@pytest.mark.parametrize("seed", [-1, 2**63 - 1, -2**63])
+def test_extreme_seeds_work_and_reproduce(llm, seed):
+    params = SamplingParams(temperature=0.9, seed=seed, max_tokens=10, ignore_eos=True)
+    first, again = (llm.chat(POEM, params)[0].token_ids for _ in range(2))
+    assert len(first) == 10 and first == again, f"seed {seed}"
+
+
+def test_tiny_temperature_equals_greedy(llm, poem):
+    for temperature in (1e-320, 1e-6):
+        [out] = llm.chat(POEM, SamplingParams(temperature=temperature, seed=9, max_tokens=12))
+        assert out.token_ids == poem.token_ids[:12], f"temperature {temperature}"
+
+
+# ---------------------------------------------------------------- n samples per request
+
+def test_n_samples_are_the_children_seed_plus_index(llm):
+    """vLLM's parallel sampling: sample i is the request run alone with n=1 and seed + i."""
+    seed = 2**63 - 3  # the last children's seeds pass int64's end: still accepted, still reproducible
+    params = SamplingParams(n=4, temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+    [out] = llm.chat(POEM, params)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3] and out.token_ids == out.outputs[0].token_ids
+    for i, sample_i in enumerate(out.outputs):
+        [alone] = llm.chat(POEM, SamplingParams(temperature=1.0, seed=seed + i, max_tokens=8, ignore_eos=True))
+        assert sample_i.token_ids == alone.token_ids and sample_i.text == alone.text, f"sample {i} (seed {seed + i})"
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "the samples should differ"
+
+
+def test_n_samples_next_to_single_requests(llm):
+    outs = llm.generate(["The sea is", "One, two,"], [SamplingParams(n=3, temperature=1.0, max_tokens=5),
+                                                      SamplingParams(temperature=0, max_tokens=5)])
+    assert [len(o.outputs) for o in outs] == [3, 1]
+    assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for o in outs for c in o.outputs)
+    assert llm.cache.blocks.num_free == llm.cache.num_blocks
+
+
+def test_n_samples_share_the_prompt_through_the_prefix_cache(default_model_dir, llm):
+    """With prefix caching, samples 1..n-1 find the prompt's full blocks cached by sample 0: they are not
+    recomputed, and the tokens are those of the same request without a cache."""
+    system = {"role": "system", "content": "You are a poet of the sea who answers in short verses. " * 4}
+    chat = [system, POEM[0]]
+    prompt_blocks = (len(llm.tokenizer.apply_chat_template(chat)) - 1) // 16
+    assert prompt_blocks >= 3
+    params = SamplingParams(n=3, temperature=0.8, seed=77, max_tokens=6, ignore_eos=True)
+    cached = LLM(default_model_dir, device="cpu", num_blocks=64, enable_prefix_caching=True)
+    [out] = cached.chat(chat, params)
+    assert cached.cache.blocks.hits == 2 * prompt_blocks
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in llm.chat(chat, params)[0].outputs]
+
+
+def test_stream_and_add_request_take_one_sample(llm):
+    with pytest.raises(TinyVLLMError, match="child"):
+        next(llm.stream([1, 2, 3], SamplingParams(n=2, temperature=1.0)))
+    assert not llm.llm_engine.has_work()
+
+
+# ---------------------------------------------------------------- one request's failure is its own
+
+BAD = 3  # the request that fails: sampled (it goes through sample()), the only one asking for logprobs
+
+
+@pytest.fixture(scope="module")
+def eight_requests(llm):
+    """8 chat requests, greedy and sampled (seeded) in turn, and the tokens each gets without any fault."""
+    questions = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?", "Why is the sea salty?",
+                 "Write a haiku.", "List three primes.", "What is Python?"]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    params = [SamplingParams(temperature=0.8 * (i % 2), top_k=5, seed=100 + i, max_tokens=8, ignore_eos=True,
+                             logprobs=2 if i == BAD else None) for i in range(8)]
+    return prompts, params, [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("fault", ["sample", "append", "logprobs"])
+def test_a_failure_in_one_sequence_fails_it_alone(llm, eight_requests, monkeypatch, caplog, fault):
+    """8 requests in one batch; the chosen one fails at its third token (in the sampler, in its own
+    bookkeeping, or in the batch's logprobs, which fails the rows that asked for them). The others get
+    exactly the tokens they get without the fault, and the pool is whole afterwards."""
+    prompts, params, expected = eight_requests
+    bad, calls = BAD, {"n": 0}
+
+    def third_call_fails(real):
+        def wrapped(*args):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected fault\nwith a second line")
+            return real(*args)
+        return wrapped
+
+    if fault == "sample":
+        real_sample = tinyvllm.engine.sample
+        faulty = third_call_fails(real_sample)
+        monkeypatch.setattr(tinyvllm.engine, "sample",
+                            lambda logits, p, rng: faulty(logits, p, rng) if p.seed == 100 + bad else
+                            real_sample(logits, p, rng))
+    elif fault == "logprobs":
+        monkeypatch.setattr(tinyvllm.engine, "raw_logprobs", third_call_fails(tinyvllm.engine.raw_logprobs))
+    seqs = [llm.add_request(p, s) for p, s in zip(prompts, params)]
+    if fault == "append":
+        seqs[bad].append = third_call_fails(seqs[bad].append)
+    with caplog.at_level("ERROR", logger="tinyvllm.engine"):
+        while llm.llm_engine.has_work():
+            llm.llm_engine.step()
+    assert seqs[bad].finish_reason == "error" and seqs[bad].error == "RuntimeError: injected fault"
+    assert seqs[bad].output_ids == expected[bad][:2]
+    for i, seq in enumerate(seqs):
+        if i != bad:
+            assert seq.output_ids == expected[i] and seq.finish_reason == "length", f"request {i} (seed {100 + i})"
+    assert llm.cache.blocks.num_free == llm.cache.num_blocks and not llm.cache.blocks.tables
+    [record] = [r for r in caplog.records if r.name == "tinyvllm.engine"]
+    assert record.exc_info and f"sequence {seqs[bad].seq_id}" in record.getMessage()
+
+
+# ---------------------------------------------------------------- limits that fit the pool
+
+def test_max_model_len_is_what_the_pool_holds(default_model_dir, caplog):
+    """A pool of 5 blocks holds 80 tokens: that becomes the context window (one log line says so), and a
+    request without max_tokens runs to it instead of being refused."""
+    with caplog.at_level("INFO", logger="tinyvllm"):
+        small = LLM(default_model_dir, device="cpu", num_blocks=5)
+    assert small.max_model_len == small.llm_engine.max_model_len == 80
+    assert [r.levelname for r in caplog.records if "max_model_len" in r.getMessage()] == ["INFO"]
+    prompt = small.tokenizer.apply_chat_template(POEM)
+    for max_tokens in (None, 1000):
+        [out] = small.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        assert len(prompt) + len(out.token_ids) == 80 and out.outputs[0].finish_reason == "length"
+    assert small.cache.blocks.num_free == 5
+    with pytest.raises(TinyVLLMError, match="context window is 80"):
+        small.generate([[5] * 80], SamplingParams(max_tokens=1))
+
+
+# ---------------------------------------------------------------- the command line
+
+def test_cli_takes_a_negative_seed(default_model_dir):
+    from tests.test_cli import tinyvllm as cli
+    args = ("generate", "Tell me a story.", "--seed", "-1", "--temperature", "0.9", "--max-tokens", "6", "--json",
+            "--device", "cpu")
+    first, again = (json.loads(cli(*args).stdout) for _ in range(2))
+    assert len(first["token_ids"]) >= 1 and first["token_ids"] == again["token_ids"]
+
+
+def test_cli_chat_takes_a_negative_seed(default_model_dir):
+    from tests.test_cli import ROOT
+    run = subprocess.run([sys.executable, "-m", "tinyvllm", "chat", "--seed", "-9223372036854775808",
+                          "--max-tokens", "4", "--device", "cpu"], cwd=ROOT, input="Hello!\n", capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("flags, words", [
+    (["--temperature", "nan"], ["temperature", "nan"]), (["--temperature", "inf"], ["temperature"]),
+    (["--seed", "18446744073709551616"], ["seed"]), (["--seed", "1.5"], ["--seed"]),
+])
+def test_cli_bad_seed_or_temperature_is_one_line(command, flags, words):
+    from tests.test_cli import assert_user_error, tinyvllm as cli
+    assert_user_error(cli(command, *(["hi"] if command == "generate" else []), *flags, check=False), *words)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tinyvllm import SamplingParams, TinyVLLMError
-from tinyvllm.sampling import sample
+from tinyvllm.sampling import rng_for, sample
 
 DRAWS = 20_000
 # A fixed logits vector without ties, so top-k has one answer
@@ -18,15 +18,63 @@ LOGITS = np.array([2.0, 1.5, 1.2, 0.7, 0.3, 0.0, -0.4, -1.0, -1.8, -3.0], dtype=
 # ---------------------------------------------------------------- validation
 
 @pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("temperature", float("nan")),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.2),
-    ("top_k", -2),
-    ("min_p", -0.1), ("min_p", 1.5),
-    ("max_tokens", 0), ("max_tokens", -3),
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "0.7"),
+    ("temperature", True), ("temperature", None),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.2), ("top_p", float("nan")), ("top_p", "1"),
+    ("top_k", -2), ("top_k", 5.0), ("top_k", True), ("top_k", "5"),
+    ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("-inf")),
+    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 16.0), ("max_tokens", False), ("max_tokens", "16"),
+    ("seed", 2**64), ("seed", -2**63 - 1), ("seed", 1.0), ("seed", "42"), ("seed", True),
+    ("n", 0), ("n", 17), ("n", 2.0), ("n", None),
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
+    ("stop", 5), ("stop", ["a", None]), ("stop_token_ids", 2), ("stop_token_ids", [2, -1]), ("stop_token_ids", [2.0]),
+    ("ignore_eos", 1), ("ignore_eos", "yes"),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
-    with pytest.raises(TinyVLLMError, match=field):
+    with pytest.raises(TinyVLLMError, match=field) as error:
         SamplingParams(**{field: value})
+    assert "\n" not in str(error.value)
+
+
+def test_numbers_of_other_types_are_taken_as_python_numbers():
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(-7), max_tokens=np.int32(4), n=2)
+    assert (p.temperature, p.top_k, p.seed, p.max_tokens) == (0.5, 3, -7, 4)
+    assert type(p.temperature) is float and type(p.top_k) is int and type(p.seed) is int
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-6, 9.99e-6])
+def test_a_tiny_temperature_is_greedy(temperature):
+    """As vLLM: below 1e-5 a temperature is greedy (dividing logits by 1e-320 would give inf - inf = nan)."""
+    assert SamplingParams(temperature=temperature).temperature == 0
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        logits = rng.standard_normal(1000).astype(np.float32)
+        assert sample(logits, SamplingParams(temperature=temperature), rng) == int(np.argmax(logits))
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5  # from 1e-5 on it samples
+
+
+def test_greedy_with_several_samples_is_refused():
+    with pytest.raises(TinyVLLMError, match="n must be 1"):
+        SamplingParams(n=2, temperature=0)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63 - 1, -2**63, 0, 2**64 - 1])
+def test_any_64_bit_seed_works_and_reproduces(seed):
+    def draws(s):
+        rng = rng_for(SamplingParams(seed=s).seed)
+        return [sample(LOGITS, SamplingParams(temperature=1.0), rng) for _ in range(100)]
+
+    assert draws(seed) == draws(seed), f"seed {seed}"
+    assert draws(seed) != draws(12345), f"seed {seed} draws like seed 12345"
+
+
+def test_child_params_are_vllms_parallel_sampling():
+    parent = SamplingParams(n=4, temperature=0.8, seed=2**63 - 1, top_k=7, logprobs=2, presence_penalty=0.5)
+    children = [parent.child(i) for i in range(parent.n)]
+    assert [c.seed for c in children] == [2**63 - 1 + i for i in range(4)]  # seed + i, past int64 too
+    assert all(c.n == 1 and (c.temperature, c.top_k, c.logprobs, c.presence_penalty) == (0.8, 7, 2, 0.5)
+               for c in children)
+    assert SamplingParams(n=3).child(2).seed is None and parent.n == 4  # no seed: each draws freely
 
 
 def test_good_sampling_params_are_kept():

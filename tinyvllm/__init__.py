@@ -1,6 +1,6 @@
 """tinyvllm: a small vLLM for Llama models, built chapter by chapter in NumPy and CuPy."""
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.sampling import SamplingParams
+from tinyvllm.sampling import Logprob, SamplingParams
 
 
 def __getattr__(name: str):  # LLM pulls in the model code: import it only when asked for
@@ -10,4 +10,4 @@ def __getattr__(name: str):  # LLM pulls in the model code: import it only when 
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "TinyVLLMError"]
+__all__ = ["LLM", "Logprob", "SamplingParams", "TinyVLLMError"]

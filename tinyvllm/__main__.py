@@ -2,4 +2,5 @@ import sys
 
 from tinyvllm.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":   # the engine process (spawned by serve) imports this module again: do nothing then
+    sys.exit(main())

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=_positive_int, default=256, help="sequences decoded together")
     serve.add_argument("--max-queue", type=_positive_int, default=256,
                        help="requests allowed to wait for a slot; past it a request gets 429")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (or set TINYVLLM_API_KEY)")
+    serve.add_argument("--enable-prefix-caching", action="store_true",
+                       help="reuse the KV blocks of prompt prefixes seen before (shared system prompts, n > 1)")
 
     info = sub.add_parser("info", parents=[debug],
                           help="the model's config and memory map (weights and buffers)")
@@ -164,11 +168,16 @@ def cmd_chat(args) -> None:
 
 
 def cmd_serve(args) -> None:
-    from tinyvllm.server import Server, listen
-    listen(args.host, args.port).close()  # a port in use is reported before the model loads
-    llm = build_llm(args, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
-    server = Server(llm, args.model, args.host, args.port, args.max_queue)
-    print(f"serving {args.model!r} on {llm.device}: OpenAI API at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr)
+    import logging
+    from tinyvllm.engine_core import EngineSettings
+    from tinyvllm.server import Server
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    settings = EngineSettings(args.model, args.device, args.max_model_len, args.num_blocks,
+                              args.gpu_memory_utilization, args.max_num_seqs, args.enable_prefix_caching)
+    server = Server(settings, args.model, args.host, args.port, args.max_queue, api_key=args.api_key)
+    info = server.engine.info
+    print(f"serving {args.model!r} on {info['device']} (context window {info['max_model_len']} tokens): "
+          f"OpenAI API at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr)
     server.serve()
 
 

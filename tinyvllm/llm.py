@@ -10,24 +10,26 @@
 
 Every request goes through the engine loop (chapter 7): prompts are prefilled in batches (chapter 3)
 into the paged KV cache (chapter 6), and every running sequence decodes one token per step (chapter 5).
-The same code runs on either device.
+The same code runs on either device. A request for n samples (SamplingParams.n) runs as n sequences,
+sample i with params.child(i), as vLLM's parallel sampling does.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from tinyvllm.backend import resolve_device
-from tinyvllm.block_manager import BLOCK_SIZE, blocks_for
+from tinyvllm.block_manager import BLOCK_SIZE
 from tinyvllm.config import load_config
 from tinyvllm.engine import Engine
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model import Model
 from tinyvllm.models import resolve_model
 from tinyvllm.paged_cache import PagedKVCache, pool_blocks
-from tinyvllm.sampling import SamplingParams
+from tinyvllm.sampling import Logprob, SamplingParams
 from tinyvllm.sequence import Sequence, Status
 from tinyvllm.tokenizer import load_tokenizer
 
@@ -37,17 +39,19 @@ MAX_PREFILL_TOKENS = {"cpu": 4096, "cuda": 8192}
 
 @dataclass
 class CompletionOutput:
+    index: int = 0                    # which of the request's n samples
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (stop token or string) or "length" (max_tokens / context)
+    finish_reason: str | None = None  # "stop" (stop token or string), "length" (max_tokens / context), "error"
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the sampled and top tokens (if asked)
 
 
 @dataclass
 class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    timings: dict[str, float] = field(default_factory=dict)  # time to first token, per output token (s)
+    outputs: list[CompletionOutput]   # one per sample (SamplingParams.n)
+    timings: dict[str, float] = field(default_factory=dict)  # of the first sample: time to first token, ...
 
     @property
     def text(self) -> str:
@@ -74,12 +78,17 @@ class LLM:
         # the paged KV cache (chapter 6): one pool of 16-token blocks, sized once from what memory is left
         blocks = num_blocks or pool_blocks(self.config, self.engine.ops, gpu_memory_utilization)
         self.cache = PagedKVCache(self.config, self.engine.ops, blocks, prefix_caching=enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        if blocks * BLOCK_SIZE < self.max_model_len:  # one sequence must fit the pool: never refuse a request later
+            logging.getLogger("tinyvllm").info("max_model_len lowered from %d to %d: what the KV cache pool of %d "
+                                               "blocks holds", self.max_model_len, blocks * BLOCK_SIZE, blocks)
+            self.max_model_len = blocks * BLOCK_SIZE
         decode = None
         if self.device == "cuda" and not enforce_eager:  # chapter 7: decode steps replayed from CUDA graphs
             from tinyvllm.cuda_graphs import GraphedDecode
             decode = GraphedDecode(self.engine, self.cache, min(max_num_seqs, self.engine.max_tokens))
         self.llm_engine = Engine(self.engine, self.tokenizer, self.cache, set(self.stop_token_ids), max_num_seqs,
-                                 max_num_batched_tokens, decode)
+                                 max_num_batched_tokens, decode, self.max_model_len)
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -103,24 +112,32 @@ class LLM:
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(ids)
         if len(params) != len(ids):
             raise TinyVLLMError(f"{len(ids)} prompts but {len(params)} SamplingParams; give one, or one per prompt")
-        seqs = [self.add_request(i, p, stream=False) for i, p in zip(ids, params)]
-        with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while self.llm_engine.has_work():
+        for prompt in ids:  # all checked before any is queued: a bad one leaves nothing behind in the engine
+            self._check_prompt(prompt)
+        samples = [[self.add_request(i, p.child(0), stream=False)] for i, p in zip(ids, params)]
+        later = [k for k, p in enumerate(params) if p.n > 1]  # requests whose other samples are still to add
+        with tqdm(total=sum(p.n for p in params), desc="generating", unit="seq", disable=not use_tqdm) as bar:
+            while later or self.llm_engine.has_work():
+                later = self._add_siblings(samples, ids, params, later)
                 for seq, _ in self.llm_engine.step():
                     bar.update(seq.status is Status.FINISHED)
-        return [_output(t, s) for t, s in zip(texts, seqs)]
+        return [_output(t, s) for t, s in zip(texts, samples)]
+
+    def _add_siblings(self, samples: list[list[Sequence]], ids: list[list[int]], params: list[SamplingParams],
+                      later: list[int]) -> list[int]:
+        """Add samples 1 .. n-1 of each request in `later`; with prefix caching, only once sample 0 has been
+        prefilled, so they find the prompt's blocks cached and share them. Returns the requests still waiting."""
+        ready = [k for k in later if not self.enable_prefix_caching or samples[k][0].output_ids
+                 or samples[k][0].status is Status.FINISHED]
+        for k in ready:
+            samples[k] += [self.add_request(ids[k], params[k].child(i), stream=False) for i in range(1, params[k].n)]
+        return [k for k in later if k not in ready]
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
-        """Queue one request in the engine (checked first: an impossible one is refused before it starts)."""
+        """Queue one sample in the engine (params.n must be 1: use params.child(i) for each sample),
+        the prompt checked first: an impossible one is refused before it starts."""
         self._check_prompt(prompt_ids)
-        seq = self.llm_engine.add_request(prompt_ids, params, stream)
-        if blocks_for(len(seq.prompt_ids) + seq.max_tokens) > self.cache.num_blocks:
-            self.llm_engine.abort(seq)
-            need = len(seq.prompt_ids) + seq.max_tokens
-            raise TinyVLLMError(f"this request may need {need} tokens of KV cache ({blocks_for(need)} blocks) "
-                                f"but the pool holds {self.cache.num_blocks} blocks of {BLOCK_SIZE}; "
-                                "lower max_tokens or give the cache more memory")
-        return seq
+        return self.llm_engine.add_request(prompt_ids, params, stream)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                out: RequestOutput | None = None) -> Iterator[str]:
@@ -136,7 +153,7 @@ class LLM:
             if seq.status is not Status.FINISHED:
                 self.llm_engine.abort(seq)
             if out is not None:
-                out.outputs[0], out.timings = _output(None, seq).outputs[0], seq.metrics()
+                out.outputs[0], out.timings = _completion(0, seq), seq.metrics()
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -152,6 +169,11 @@ class LLM:
             raise TinyVLLMError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
 
 
-def _output(prompt: str | None, seq: Sequence) -> RequestOutput:
-    return RequestOutput(prompt, seq.prompt_ids, [CompletionOutput(seq.text, list(seq.output_ids), seq.finish_reason)],
-                         seq.metrics())
+def _completion(index: int, seq: Sequence) -> CompletionOutput:
+    return CompletionOutput(index, seq.text, list(seq.output_ids), seq.finish_reason,
+                            None if seq.logprobs is None else list(seq.logprobs))
+
+
+def _output(prompt: str | None, samples: list[Sequence]) -> RequestOutput:
+    return RequestOutput(prompt, samples[0].prompt_ids, [_completion(i, s) for i, s in enumerate(samples)],
+                         samples[0].metrics())

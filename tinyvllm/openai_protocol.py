@@ -1,41 +1,102 @@
 """The OpenAI API's wire format, the part the server speaks: what a client sends, what it gets back.
 
-Requests are pydantic models, so a wrong field becomes a 400 that names it; responses are plain dicts in
-OpenAI's shapes (`text_completion`, `chat.completion`, their streaming `.chunk`s, `usage`, errors).
-Fields a client may send that tinyvllm does not use are ignored, as vLLM does.
+Requests are pydantic models that FastAPI publishes in /openapi.json (so schema-driven fuzzers and client
+generators see them). Every field is either honoured with vLLM's semantics or refused with a 400 that
+names it: types are strict (a number is not a string), unknown fields are refused, and the OpenAI fields
+tinyvllm does not build (tools, structured output, ...) are refused when set. Responses are plain dicts
+in OpenAI's shapes (`text_completion`, `chat.completion`, their streaming `.chunk`s, usage, logprobs,
+errors).
 """
 from __future__ import annotations
 
 import time
 import uuid
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.sampling import SamplingParams
+from tinyvllm.sampling import MAX_LOGPROBS, MAX_N, MIN_REPETITION_PENALTY, SamplingParams
+
+# Strict scalars: JSON's 1 is a number, "1" is not; NaN and infinities are not numbers either.
+Int = Annotated[int, Field(strict=True)]
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Str = Annotated[str, Field(strict=True)]
+Int64 = Annotated[int, Field(strict=True, ge=-2 ** 63, le=2 ** 63 - 1)]   # seeds: any int64, as vLLM
+TokenId = Annotated[int, Field(strict=True, ge=0)]
+
+# OpenAI fields tinyvllm does not build: accepted only at the value that means "not used".
+NOT_BUILT = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+             "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+             "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+             "web_search_options": (None,), "reasoning_effort": (None,), "store": (None, False),
+             "metadata": (None,), "service_tier": (None, "auto", "default")}
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Annotated[bool, Field(strict=True)] = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None                       # None: the one model this server serves
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)       # OpenAI's range; 0 is greedy
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1)           # not OpenAI's: vLLM's extra field (0 or -1 keeps all)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)          # one choice per request
-    stream: bool = False
+    model: Str | None = None                           # None: the one model this server serves
+    max_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float | None = Field(default=None, ge=0, le=2)   # OpenAI's range; 0 is greedy; None: 1
+    top_p: Float | None = Field(default=None, gt=0, le=1)
+    top_k: Int | None = Field(default=None, ge=-1)    # vLLM's extra field: 0 or -1 keeps all
+    min_p: Float | None = Field(default=None, ge=0, le=1)   # vLLM's extra field
+    seed: Int64 | None = None
+    stop: Str | list[Str] | None = None
+    stop_token_ids: list[TokenId] | None = None     # vLLM's extra field
+    ignore_eos: Annotated[bool, Field(strict=True)] = False   # vLLM's extra field (benchmarks)
+    n: Int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: Float | None = Field(default=None, ge=MIN_REPETITION_PENALTY)   # vLLM's extra field
+    stream: Annotated[bool, Field(strict=True)] = False
     stream_options: StreamOptions | None = None
+    user: Str | None = None                         # an end-user id: written to the access log only
+    # refused unless at their "not used" value (NOT_BUILT); typed loosely so the 400 names the field
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = None
+    response_format: dict | None = None
+    logit_bias: dict | None = None
+    audio: dict | None = None
+    modalities: list | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    reasoning_effort: str | None = None
+    store: Annotated[bool, Field(strict=True)] | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              max_tokens=max_tokens, stop=self.stop)
+    @field_validator(*NOT_BUILT)
+    @classmethod
+    def _refuse_what_is_not_built(cls, value, info: ValidationInfo):
+        if value not in NOT_BUILT[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported by tinyvllm; leave it out")
+        return value
+
+    @field_validator("stream_options")   # fields are checked in order: `stream` is known here
+    @classmethod
+    def _options_need_a_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """vLLM's SamplingParams for this request; None fields keep vLLM's defaults."""
+        given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                     repetition_penalty=self.repetition_penalty)
+        return SamplingParams(**{k: v for k, v in given.items() if v is not None}, seed=self.seed, n=self.n,
+                              max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, logprobs=logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -43,44 +104,81 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]   # text, or token ids; a list must hold one prompt
-    max_tokens: int | None = Field(default=16, ge=1)          # OpenAI's default for completions
+    # text, token ids, or a list of either: several prompts give choices prompt by prompt, n each
+    prompt: Str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Str], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    max_tokens: Int | None = Field(default=16, ge=1)          # OpenAI's default for completions
+    echo: Annotated[bool, Field(strict=True)] = False          # the prompt's text before the completion
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # top k per token, + the sampled one
+    best_of: Int | None = Field(default=None, ge=1)
 
-    def prompt_ids(self, tokenizer) -> list[int]:
-        """Raw text is encoded as is (no chat template), as LLM.generate does."""
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise TinyVLLMError(f"got {len(prompt)} prompts; send one prompt per request")
-            prompt = prompt[0]
-        return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    @field_validator("logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("echo"):
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which tinyvllm does not compute; "
+                             "drop one of them")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info: ValidationInfo):
+        if value is not None and value != info.data.get("n"):
+            raise ValueError("best_of other than n is not supported by tinyvllm; leave it out")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: Str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    role: str
-    content: str | list[dict] | None = None       # a string, or parts like [{"type": "text", "text": ...}]
+    role: Literal["system", "user", "assistant"]   # a fixed set: a role is never text the template pastes in
+    content: Str | list[TextPart] | None = None
 
     def text(self) -> str:
-        if not isinstance(self.content, list):
-            return self.content or ""
-        if any(part.get("type") != "text" for part in self.content):
-            raise TinyVLLMError("only text content parts are supported (type 'text')")
-        return "".join(part.get("text", "") for part in self.content)
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
 
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name for max_tokens
+    max_completion_tokens: Int | None = Field(default=None, ge=1)  # the newer name for max_tokens
+    logprobs: Annotated[bool, Field(strict=True)] = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: Annotated[bool, Field(strict=True)] = True   # vLLM's extra field
 
-    def prompt_ids(self, tokenizer) -> list[int]:
-        """The conversation through the model's chat template, as LLM.chat does."""
-        return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in self.messages])
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return value
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     @property
     def reply_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens   # None: up to the context window
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- responses ----
@@ -94,29 +192,58 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(request_id: str, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_completion(request_id: str, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": use}
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
-def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None = None) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+def chat_delta_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None = None) -> dict:
-    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+def response(request_id: str, object_: str, model: str, choices: list[dict], use: dict | None = None) -> dict:
+    out = {"id": request_id, "object": object_, "created": int(time.time()), "model": model, "choices": choices}
+    if use is not None:
+        out["usage"] = use
+    return out
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], offset: int) -> dict:
+    """The completions API's (legacy) logprobs: parallel lists, one item per generated token.
+    `entries` are the engine's {token id: Logprob} dicts: the sampled token and the top k."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token, entry in zip(token_ids, entries):
+        sampled = entry[token]
+        tokens.append(sampled.decoded_token)
+        token_logprobs.append(sampled.logprob)
+        top.append({lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)})
+        offsets.append(offset)
+        offset += len(sampled.decoded_token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], top_k: int) -> dict:
+    """The chat API's logprobs: per generated token, its logprob and the top_k most likely tokens."""
+    def item(lp) -> dict:
+        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+    content = []
+    for token, entry in zip(token_ids, entries):
+        sampled = entry[token]
+        best = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
+        content.append({**item(sampled), "top_logprobs": [item(lp) for lp in best]})
+    return {"content": content}
 
 
 def error(message: str, type_: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> dict:
+          code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise TinyVLLMError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")

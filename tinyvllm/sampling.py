@@ -1,25 +1,37 @@
 """Chapter 5: turning logits into the next token, with vLLM's SamplingParams.
 
 temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature, cut by top-k and
-min-p, then by top-p among the survivors (vLLM's order), renormalized and drawn from.
+min-p, then by top-p among the survivors (vLLM's order), renormalized and drawn from. Before either, the
+penalties (presence, frequency, repetition) change the logits of tokens already seen, as in vLLM.
 
 It all runs where the logits are (NumPy or CuPy: the same code), so a GPU never copies a 128K-entry
-logits row to the host: only the chosen id comes back. The randomness is one uniform number per token
-from the request's own seeded generator on the host, turned into a token by inverting the kept
-tokens' cumulative distribution — so a seed gives the same tokens on every run.
+logits row to the host: only the chosen id comes back (and, when asked, the k+1 log-probabilities).
+The randomness is one uniform number per token from the request's own seeded generator on the host,
+turned into a token by inverting the kept tokens' cumulative distribution — so a seed gives the same
+tokens on every run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from numbers import Integral, Real
 
 import numpy as np
 
 from tinyvllm.errors import TinyVLLMError
 
+GREEDY_BELOW = 1e-5                 # vLLM's _SAMPLING_EPS: a smaller temperature is greedy (logits / T overflows)
+MAX_LOGPROBS = 20                   # vLLM's default max_logprobs: top tokens reported per generated token
+MAX_N = 16                          # samples per request
+SEEDS = range(-2**63, 2**64)        # any int64 (vLLM, OpenAI), and what seed + i of a child reaches past it
+PENALTY_RANGE = (-2.0, 2.0)         # presence and frequency penalties (OpenAI's range)
+MIN_REPETITION_PENALTY = 0.01       # a positive logit / a smaller penalty can overflow float32 (then NaN)
+
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0        # vLLM's default; 0 means greedy
+    temperature: float = 1.0        # vLLM's default; 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0              # keep the smallest set of tokens whose probability sums to >= top_p
     top_k: int = 0                  # keep the k most likely tokens; 0 (or -1) keeps all
     min_p: float = 0.0              # drop tokens less likely than min_p x the most likely one
@@ -28,22 +40,83 @@ class SamplingParams:
     stop: list[str] | str | None = None          # strings that end the output (not included in it)
     stop_token_ids: list[int] | None = None      # extra token ids that end the output
     ignore_eos: bool = False        # keep going past the model's stop tokens (benchmarks)
+    n: int = 1                      # independent samples of the same prompt (LLM.generate fans them out)
+    presence_penalty: float = 0.0   # subtracted once from every token the output already holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output so far
+    repetition_penalty: float = 1.0  # > 1 discourages every token seen in the prompt or the output
+    logprobs: int | None = None     # report the k likeliest tokens (and the sampled one) per output token
 
     def __post_init__(self):
-        checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 (all) or positive, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise TinyVLLMError(message)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.temperature = _real("temperature", self.temperature, lambda t: t >= 0, ">= 0")
+        self.top_p = _real("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1]")
+        self.top_k = _integer("top_k", self.top_k, lambda k: k >= -1, "-1, 0 (all) or positive")
+        self.min_p = _real("min_p", self.min_p, lambda p: 0 <= p <= 1, "in [0, 1]")
+        self.seed = _integer("seed", self.seed, lambda s: s in SEEDS, "from -2**63 to 2**64 - 1",
+                             optional=True)
+        self.max_tokens = _integer("max_tokens", self.max_tokens, lambda m: m >= 1, ">= 1", optional=True)
+        self.n = _integer("n", self.n, lambda n: 1 <= n <= MAX_N, f"from 1 to {MAX_N}")
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, _real(name, getattr(self, name), lambda p: low <= p <= high, f"in [{low}, {high}]"))
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty,
+                                        lambda r: r >= MIN_REPETITION_PENALTY, f">= {MIN_REPETITION_PENALTY}")
+        self.logprobs = _integer("logprobs", self.logprobs, lambda k: 0 <= k <= MAX_LOGPROBS,
+                                 f"from 0 to {MAX_LOGPROBS}", optional=True)
+        if not isinstance(self.ignore_eos, bool):
+            raise TinyVLLMError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = [_integer("stop_token_ids", t, lambda t: t >= 0, ">= 0 in every entry")
+                               for t in _as_list("stop_token_ids", self.stop_token_ids)]
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0  # as vLLM: a temperature this small is greedy, not a division by ~0
+        if self.n > 1 and self.temperature == 0:
+            raise TinyVLLMError(f"n must be 1 when sampling greedily (temperature 0), got n={self.n}; "
+                                "the samples would all be the same")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def child(self, i: int) -> SamplingParams:
+        """The params of sample i of an n-sample request (vLLM's parallel sampling): n=1, and seed + i
+        when a seed is given, so each sample is reproducible and differs from its siblings."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+
+
+def _real(name: str, value, ok: Callable[[float], bool], rule: str) -> float:
+    """A finite number (an int is fine, a bool or a string is not) that passes ok(); as a float."""
+    if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value) or not ok(value):
+        raise TinyVLLMError(f"{name} must be a number {rule}, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value, ok: Callable[[int], bool], rule: str, optional: bool = False) -> int | None:
+    """An integer (not a float, not a bool) that passes ok(); None allowed when optional."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, Integral) or isinstance(value, bool) or not ok(int(value)):
+        raise TinyVLLMError(f"{name} must be {'None or ' if optional else ''}an integer {rule}, got {value!r}")
+    return int(value)
+
+
+def _as_list(name: str, value) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise TinyVLLMError(f"{name} must be a list, got {value!r}")
+    return list(value)
+
+
+def _stop_strings(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else _as_list("stop", stop)
+    if not all(isinstance(s, str) for s in stops):
+        raise TinyVLLMError(f"stop must be a string or a list of strings, got {stop!r}")
+    return [s for s in stops if s]  # an empty stop string would stop at once
+
+
+def rng_for(seed: int | None) -> np.random.Generator:
+    """A request's own generator. NumPy takes seeds >= 0: a negative int64 maps to its unsigned twin."""
+    return np.random.default_rng(None if seed is None else seed % 2**64)
 
 
 def sample(logits, params: SamplingParams, rng: np.random.Generator) -> int:
@@ -71,6 +144,60 @@ def sample(logits, params: SamplingParams, rng: np.random.Generator) -> int:
     u = rng.random() * float(cdf[-1])  # the one number that crosses from the host
     i = min(int(xp.searchsorted(cdf, u, side="right")), kept - 1)  # never past the kept tokens
     return int(i if order is None else order[i])
+
+
+# ---- penalties (vLLM's rule), applied to the logits before greedy or sampling ----
+
+def apply_penalties(logits, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]):
+    """A penalized float32 copy of one (vocab,) logits row (the raw row stays, for logprobs). Repetition:
+    every token seen in the prompt or the output has a positive logit divided by repetition_penalty, a
+    negative one multiplied. Then, over the output only: minus frequency x count, minus presence if seen.
+    Only the ids of seen tokens and their counts cross to the device."""
+    xp = array_module(logits)
+    row = logits.astype(xp.float32)  # a copy: the raw logits must survive for logprobs
+    if params.repetition_penalty != 1:
+        seen = xp.asarray(np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64)))
+        hit = row[seen]
+        row[seen] = xp.where(hit > 0, hit / params.repetition_penalty, hit * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+        cut = params.frequency_penalty * counts + params.presence_penalty
+        row[xp.asarray(ids)] -= xp.asarray(cut.astype(np.float32))
+    return row
+
+
+# ---- logprobs (vLLM's raw_logprobs: from the model's logits, before penalties, temperature, top-k/p) ----
+
+@dataclass
+class Logprob:
+    logprob: float          # natural log of the token's probability under the model
+    rank: int               # 1 + how many tokens have a strictly higher logprob (1: the likeliest)
+    decoded_token: str      # the token alone, as text
+
+
+def raw_logprobs(logits, tokens: list[int], k: int):
+    """Log-softmax of a (rows, vocab) batch of logits, reduced where it is: per row the k likeliest
+    tokens (ids and logprobs, in no particular order) and the sampled token's logprob and rank.
+    Returns four arrays on the logits' device; only (rows, k + 2) numbers need to cross to the host."""
+    xp, k = array_module(logits), min(k, logits.shape[1])
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    lp = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+    chosen = lp[xp.arange(len(tokens)), xp.asarray(tokens)]
+    ranks = 1 + (lp > chosen[:, None]).sum(axis=1)
+    top = xp.argpartition(-lp, k - 1, axis=1)[:, :k] if k else xp.zeros((len(tokens), 0), dtype=xp.int64)
+    return top, xp.take_along_axis(lp, top, axis=1), chosen, ranks
+
+
+def logprob_entries(token: int, logprob: float, rank: int, top_ids: np.ndarray, top_values: np.ndarray,
+                    k: int, decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """One generated token's entry (host side): the sampled token, then the k likeliest (k or k+1 in all).
+    Every token more likely than one of the top k is itself in the top k, so their ranks count there."""
+    order = np.lexsort((top_ids, -top_values))[:k]  # most likely first; ties by the smaller id
+    ids, values = top_ids[order], top_values[order]
+    entries = {token: Logprob(float(logprob), int(rank), decode(token))}
+    for i, v in zip(ids.tolist(), values.tolist()):
+        entries.setdefault(i, Logprob(v, 1 + int((values > v).sum()), decode(i)))
+    return entries
 
 
 def array_module(a):

@@ -10,9 +10,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-import numpy as np
-
-from tinyvllm.sampling import SamplingParams
+from tinyvllm.sampling import Logprob, SamplingParams, rng_for
 from tinyvllm.tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -34,7 +32,9 @@ class Sequence:
     text: str = ""                     # released text: complete characters, no stop string
     held: str = ""                     # decoded but held back: it may be the start of a stop string
     status: Status = Status.WAITING
-    finish_reason: str | None = None   # "stop" or "length"
+    finish_reason: str | None = None   # "stop", "length", or "error" (then `error` says why)
+    error: str | None = None           # one line, when sampling or bookkeeping failed for this sequence
+    logprobs: list[dict[int, Logprob]] | None = None  # one entry per output token, if params.logprobs asked
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -43,7 +43,7 @@ class Sequence:
     incremental: bool = True           # text token by token (streaming, stop strings); else once, at the end
 
     def __post_init__(self):
-        self.rng = np.random.default_rng(self.params.seed)  # its own generator: a seed means the same tokens
+        self.rng = rng_for(self.params.seed)  # its own generator: a seed means the same tokens
 
     @classmethod
     def create(cls, seq_id: int, prompt_ids: list[int], params: SamplingParams, max_model_len: int,
@@ -51,7 +51,8 @@ class Sequence:
         room = max_model_len - len(prompt_ids)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else stop_ids)
         return cls(seq_id, list(prompt_ids), params, min(params.max_tokens or room, room), stops,
-                   IncrementalDecoder(tokenizer), incremental=incremental or bool(params.stop))
+                   IncrementalDecoder(tokenizer), incremental=incremental or bool(params.stop),
+                   logprobs=None if params.logprobs is None else [])
 
     @property
     def token_ids(self) -> list[int]:
@@ -66,10 +67,13 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def append(self, token: int) -> str:
-        """Record a sampled token; returns the text it releases (possibly ""). Sets finish_reason when done."""
+    def append(self, token: int, logprobs: dict[int, Logprob] | None = None) -> str:
+        """Record a sampled token (and its logprobs, if asked for); returns the text it releases (possibly "").
+        Sets finish_reason when done."""
         now = time.perf_counter()
         self.first_token_time = self.first_token_time or now
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
         self.output_ids.append(token)
         if not self.incremental:                       # the text is decoded once, when the sequence ends
             if token in self.stop_ids or len(self.output_ids) >= self.max_tokens:
@@ -89,6 +93,11 @@ class Sequence:
         ready, self.held = self.held[:max(len(self.held) - hold, 0)], self.held[max(len(self.held) - hold, 0):]
         self.text += ready
         return ready
+
+    def fail(self, error: str) -> None:
+        """End this sequence alone after a failure: finish_reason "error", the text held back is dropped."""
+        self.error = error
+        self._finish("error", "", time.perf_counter())
 
     def _finish(self, reason: str, rest: str, now: float) -> str:
         self.finish_reason, self.status, self.finish_time, self.held = reason, Status.FINISHED, now, ""

@@ -113,11 +113,11 @@ def warm_up(llm: LLM, prompts: list[list[int]]) -> float:
 def run_continuous(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
                    use_tqdm: bool = sys.stderr.isatty()) -> Run:  # no bar in a log (make course, CI)
     """Every request submitted at once: the scheduler refills a slot as soon as it frees."""
-    engine, first_step = llm.llm_engine, len(llm.llm_engine.trace)
+    engine, first_step = llm.llm_engine, llm.llm_engine.steps
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     seconds = time.perf_counter() - start
-    trace = engine.trace[first_step:]
+    trace = engine.trace_since(first_step)
     first_id = min(s for t in trace for s in t["prefill"])  # request 0 is admitted first; ids count up
     return Run("continuous", [o.token_ids for o in outs], [first_id + i for i in range(len(prompts))], trace,
                seconds, [list(range(len(prompts)))], *limits(llm, prompts))
@@ -125,7 +125,7 @@ def run_continuous(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
 
 def run_static(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], batch: int) -> Run:
     """Fixed batches: submit `batch` requests, step until the engine is empty, then the next batch."""
-    engine, first_step = llm.llm_engine, len(llm.llm_engine.trace)
+    engine, first_step = llm.llm_engine, llm.llm_engine.steps
     waves = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
     seqs: list[Sequence] = []
     start = time.perf_counter()
@@ -135,7 +135,7 @@ def run_static(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
             engine.step()
     seconds = time.perf_counter() - start
     return Run(f"static, batches of {batch}", [list(s.output_ids) for s in seqs], [s.seq_id for s in seqs],
-               engine.trace[first_step:], seconds, waves, *limits(llm, prompts))
+               engine.trace_since(first_step), seconds, waves, *limits(llm, prompts))
 
 
 def limits(llm: LLM, prompts: list[list[int]]) -> tuple[list[int], int, int]:

@@ -1,5 +1,5 @@
 """Chapter 7, serving: clients arrive one after another at the OpenAI-compatible server and stream their
-answers; the engine thread batches whoever is there. The notebook and `make figures` call these.
+answers; the engine process batches whoever is there. The notebook and `make figures` call these.
 
 The clients speak plain HTTP (the standard library's http.client), to show what is on the wire: a POST
 of JSON, then server-sent events, one `data: {...}` line per piece of text, and `data: [DONE]`.
@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from matplotlib.figure import Figure
 
-from tinyvllm import LLM
+from tinyvllm.engine_core import EngineSettings
 from tinyvllm.server import Server
 
 QUESTIONS = ("What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
@@ -47,11 +47,12 @@ def stream_chat(url: str, question: str, max_tokens: int) -> dict:
     return {"question": question, "text": "".join(pieces), "start": start, "piece_times": times}
 
 
-def run_clients(llm: LLM, questions=QUESTIONS, every: int = EVERY, max_tokens=MAX_TOKENS) -> dict:
-    """Start a server on `llm` (port 0: any free one), send a new client every `every` engine steps, wait.
-    Returns each client's answer and timings, and the engine's per-step trace and step end times."""
-    server = Server(llm, "default", port=0, log_level="warning").start()
-    first_step = len(llm.llm_engine.trace)
+def run_clients(settings: EngineSettings, questions=QUESTIONS, every: int = EVERY, max_tokens=MAX_TOKENS) -> dict:
+    """Start a server (port 0: any free one; its engine in a process of its own), send a new client every
+    `every` engine steps, wait. Returns each client's answer and timings, and the engine's steps."""
+    server = Server(settings, "default", port=0, log_level="warning").start()
+    stats = server.engine.client.stats
+    first_step = stats.steps
     results: list[dict | None] = [None] * len(questions)
 
     def client(i: int) -> None:
@@ -60,21 +61,22 @@ def run_clients(llm: LLM, questions=QUESTIONS, every: int = EVERY, max_tokens=MA
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(questions))]
     for i, thread in enumerate(threads):
         deadline = time.perf_counter() + 10   # in case everyone before has finished and the engine is idle
-        while server.engine_loop.steps < i * every and time.perf_counter() < deadline:
+        while server.engine.client.stats.steps - first_step < i * every and time.perf_counter() < deadline:
             time.sleep(0.001)
         thread.start()
     for thread in threads:
         thread.join()
+    time.sleep(0.2)                           # the last step's report reaches the API side
+    steps = [s for s in server.engine.steps if s["step"] > first_step]
+    stats = server.engine.client.stats
     server.stop()
-    return {"clients": results, "trace": llm.llm_engine.trace[first_step:],
-            "step_times": server.engine_loop.step_times, "free_blocks_after": llm.cache.blocks.num_free,
-            "num_blocks": llm.cache.num_blocks}
+    return {"clients": results, "trace": steps, "step_times": [s["time"] for s in steps],
+            "free_blocks_after": stats.free_blocks, "num_blocks": stats.num_blocks}
 
 
 @lru_cache(maxsize=1)
 def measure() -> dict:
-    from chapters.ch07_batching.plots import cpu_llm   # the notebook's LLM: its weights load once
-    return run_clients(cpu_llm())
+    return run_clients(EngineSettings("default", "cpu", num_blocks=256))   # the pool of the notebook's other LLMs
 
 
 def draw_server_batch(run: dict | None = None) -> Figure:

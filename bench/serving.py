@@ -1,0 +1,506 @@
+"""Serving: the HTTP path (`python -m tinyvllm serve`) against the engine's offline throughput, in ONE run.
+
+In the spirit of `vllm bench serve`. DESIGN.md's target: the server delivers at least 90% of the output
+tokens/s that `LLM.generate` reaches on the same machine, model, prompts and batch limit. In order:
+
+  1. the workload: --num-requests prompts of exactly --input-len random token ids (seeded; drawn
+     uniformly from the vocabulary without the special and stop ids), each asking for exactly
+     --output-len tokens: greedy, with vLLM's `ignore_eos` so that no request stops early;
+  2. the server, started as a subprocess on a free port, ready once GET /health answers 200, then warmed up;
+  3. per mode (stream, then no-stream, on the same server): the requests go out from --client-processes
+     processes, each an asyncio loop with httpx, at most --concurrency in flight in all (or arriving as a
+     Poisson process of --request-rate per second, as vLLM's); each request is timed;
+  4. the server stopped (SIGINT to its process group, then kill) so that its memory is free; then
+     prompts of the same lengths through `LLM.generate` in this process, warm-up first, timed the same
+     way: the denominator;
+  5. a table, and bench/results/serving-<model>-<device>-<time>.json (or --out).
+
+Why several client processes: one Python process that parses a few thousand server-sent events a
+second runs out of CPU before a fast engine does, and the benchmark would measure the client.
+Why a fresh set of prompts for each run (warm-up, each mode, offline): a prefix cache would otherwise
+serve the second run's prompts from memory and flatter it.
+
+    python bench/serving.py [--model default] [--device auto] [--num-requests 256] [--input-len 1024]
+        [--output-len 128] [--concurrency 128 | --request-rate R] [--endpoint completions|chat]
+        [--stream | --no-stream] [--client-processes 8] [--num-blocks B] [--max-model-len L]
+        [--max-num-seqs S] [--seed 0] [--out PATH]
+
+CPU smoke run: python bench/serving.py --device cpu --num-requests 8 --concurrency 4 --output-len 8 \
+                   --input-len 16 --client-processes 2 --out /tmp/serving.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from queue import Empty
+from typing import NamedTuple
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from bench.gpu_common import machine as gpu_machine  # noqa: E402
+from bench.gpu_common import write_result  # noqa: E402
+
+ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+MODES = {"stream": True, "no-stream": False}
+TARGET = 0.9                 # DESIGN.md: HTTP output tokens/s >= 90% of offline
+WARMUP_PROMPT_LEN = 16
+REQUEST_TIMEOUT_S = 600      # a server that hangs fails its requests instead of hanging the benchmark
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# Times are time.monotonic(): on Linux that is CLOCK_MONOTONIC, one clock for every process, so the
+# start and end times that different client processes report can be compared.
+
+
+class Job(NamedTuple):
+    """One request as a client process sends it."""
+    index: int
+    send_at: float           # seconds after the start before which it is not sent (Poisson arrivals)
+    max_tokens: int
+    body: dict               # the JSON body, complete
+
+
+class Prompts(NamedTuple):
+    sent: list               # what each request sends: token ids (completions) or messages (chat)
+    ids: list[list[int]]     # what the engine sees: for chat, the conversation through the chat template
+    max_tokens: list[int]
+
+
+# ---- the workload ----
+
+def random_prompts(tokenizer, allowed: np.ndarray, endpoint: str, lengths: list[int], max_tokens: list[int],
+                   rng: np.random.Generator) -> Prompts:
+    """Random token ids; for chat, their text as the user's message (after the template and re-encoding
+    the prompt is only about that long: the usage in each response says how long)."""
+    ids = [rng.choice(allowed, n).tolist() for n in lengths]
+    if endpoint == "completions":
+        return Prompts(ids, ids, max_tokens)
+    messages = [[{"role": "user", "content": tokenizer.decode(i)}] for i in ids]
+    return Prompts(messages, [tokenizer.apply_chat_template(m) for m in messages], max_tokens)
+
+
+def allowed_ids(tokenizer) -> np.ndarray:
+    """Every id but the special and stop ones: a prompt of random ids must not hold a control token."""
+    banned = set(tokenizer.special_tokens.values()) | set(tokenizer.stop_token_ids)
+    return np.array([i for i in range(tokenizer.vocab_size) if i not in banned])
+
+
+def warmup_prompts(tokenizer, allowed: np.ndarray, args, size: int, max_model_len: int,
+                   rng: np.random.Generator) -> Prompts:
+    """`size` short prompts asking for 1, 2, ..., size tokens: they finish one per step, so the batch walks
+    down through every size and each CUDA graph bucket is captured before the clock starts."""
+    n = min(WARMUP_PROMPT_LEN, args.input_len)
+    prompts = random_prompts(tokenizer, allowed, args.endpoint, [n] * size, [0] * size, rng)
+    # the lengths once the prompts are known (chat: templated), each within the context window
+    return prompts._replace(max_tokens=[min(k + 1, max_model_len - len(ids)) for k, ids in enumerate(prompts.ids)])
+
+
+def arrival_times(n: int, rate: float | None, rng: np.random.Generator) -> list[float]:
+    """All at once without a rate; else a Poisson process (exponential gaps of mean 1/rate), as vLLM's."""
+    if rate is None:
+        return [0.0] * n
+    return np.concatenate([[0.0], np.cumsum(rng.exponential(1 / rate, n - 1))]).tolist()
+
+
+def request_body(endpoint: str, prompt, max_tokens: int, stream: bool, ignore_eos: bool, model: str) -> dict:
+    body = {"model": model, "temperature": 0, "stream": stream}
+    if endpoint == "completions":
+        body |= {"prompt": prompt, "max_tokens": max_tokens}   # a list of ids: the exact prompt length
+    else:
+        body |= {"messages": prompt, "max_completion_tokens": max_tokens}
+    if stream:
+        body["stream_options"] = {"include_usage": True}      # the token count comes from the usage
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def jobs_for(args, prompts: Prompts, stream: bool, ignore_eos: bool, model: str, send_at: list[float]) -> list[Job]:
+    return [Job(i, t, m, request_body(args.endpoint, p, m, stream, ignore_eos, model))
+            for i, (p, m, t) in enumerate(zip(prompts.sent, prompts.max_tokens, send_at))]
+
+
+# ---- the client processes ----
+
+def run_clients(url: str, route: str, jobs: list[Job], concurrency: int, processes: int) -> list[dict]:
+    """Send the jobs from `processes` client processes sharing `concurrency`; one result per job."""
+    ctx = mp.get_context("spawn")   # fresh interpreters: nothing of this process (a CUDA context) is inherited
+    n = max(1, min(processes, concurrency, len(jobs)))
+    barrier, queue = ctx.Barrier(n), ctx.Queue()   # the queue brings each process's results back
+    shares = [concurrency // n + (k < concurrency % n) for k in range(n)]
+    # round robin: with Poisson arrivals each process gets every n-th arrival, spread over the whole run
+    # daemons: if this process stops on an error, its clients stop with it rather than keep it waiting
+    procs = [ctx.Process(target=client_process, args=(url, route, jobs[k::n], shares[k], barrier, queue), daemon=True)
+             for k in range(n)]
+    for p in procs:
+        p.start()
+    results = []
+    while len(results) < len(jobs):
+        try:
+            results += queue.get(timeout=1)
+        except Empty:   # a client that died (not a failed request: those are results) hangs nothing
+            if any(p.exitcode for p in procs):
+                raise RuntimeError("a client process failed; see its traceback above") from None
+    for p in procs:
+        p.join()
+    return sorted(results, key=lambda r: r["index"])
+
+
+def client_process(url: str, route: str, jobs: list[Job], concurrency: int, barrier, queue) -> None:
+    queue.put(asyncio.run(send_all(url, route, jobs, concurrency, barrier)))
+
+
+async def send_all(url: str, route: str, jobs: list[Job], concurrency: int, barrier) -> list[dict]:
+    # httpx keeps at most 100 connections by default: a larger share would queue inside the client
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
+        gate = asyncio.Semaphore(concurrency)
+        barrier.wait()   # every process starts at once (blocking is fine: this loop runs nothing yet)
+        start = time.monotonic()
+
+        async def one(job: Job) -> dict:
+            await asyncio.sleep(job.send_at - (time.monotonic() - start))   # a negative wait returns at once
+            async with gate:
+                return await send(client, route, job)
+
+        return await asyncio.gather(*map(one, jobs))
+
+
+class RequestFailed(Exception):
+    """The server answered, but not with a completion."""
+
+
+async def send(client: httpx.AsyncClient, route: str, job: Job) -> dict:
+    """One request, timed. A failure is recorded in the result, not raised: the others go on."""
+    r = {"index": job.index, "max_tokens": job.max_tokens, "start": time.monotonic(), "ttft": None, "itl": [],
+         "prompt_tokens": 0, "completion_tokens": 0, "error": None}
+    try:
+        if job.body["stream"]:
+            usage = await read_stream(client, route, job.body, r)
+        else:
+            usage = await read_whole(client, route, job.body)
+        if not usage:
+            raise RequestFailed("the response carries no usage")
+        r["prompt_tokens"], r["completion_tokens"] = usage["prompt_tokens"], usage["completion_tokens"]
+    except Exception as e:
+        r["error"] = f"{type(e).__name__}: {e}"
+    r["end"] = time.monotonic()
+    return r
+
+
+async def read_whole(client: httpx.AsyncClient, route: str, body: dict) -> dict | None:
+    response = await client.post(route, json=body)
+    if response.status_code != 200:
+        raise RequestFailed(f"HTTP {response.status_code}: {error_message(response.text)}")
+    return response.json().get("usage")
+
+
+async def read_stream(client: httpx.AsyncClient, route: str, body: dict, r: dict) -> dict | None:
+    """Server-sent events: TTFT at the first chunk that carries text, ITL between such chunks (a chunk can
+    carry several tokens: the server releases text once it is complete UTF-8), the usage from the last."""
+    usage, last = None, None
+    async with client.stream("POST", route, json=body) as response:
+        if response.status_code != 200:
+            raise RequestFailed(f"HTTP {response.status_code}: {error_message((await response.aread()).decode())}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:   # after the 200 has gone out, a failure arrives as an event
+                raise RequestFailed(chunk["error"].get("message"))
+            usage = chunk.get("usage") or usage
+            if chunk_text(chunk):
+                now = time.monotonic()
+                if last is None:
+                    r["ttft"] = now - r["start"]
+                else:
+                    r["itl"].append(now - last)
+                last = now
+    return usage
+
+
+def chunk_text(chunk: dict) -> str:
+    """The text of a completion or chat chunk; the usage chunk has no choices, chat's first only a role."""
+    if not chunk.get("choices"):
+        return ""
+    choice = chunk["choices"][0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+def error_message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
+
+
+# ---- the server ----
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(command: list[str], url: str, log) -> subprocess.Popen:
+    """Start the server in a process group of its own (it may run its engine in a child process) and wait
+    until GET /health answers 200. Its output goes to `log`: a pipe nobody reads would fill and stall it."""
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 900   # loading and converting the model, compiling the kernels
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            stop_server(proc)   # its engine process may outlive it
+            raise RuntimeError(f"the server exited with code {proc.returncode}:\n{tail(log)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:   # not listening yet
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"the server did not answer /health within 900 s:\n{tail(log)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ctrl-C as a terminal sends it, to the server's whole process group; kill the group if it lingers.
+    Returns once every process of the group is gone: the offline run needs the memory they held."""
+    for sig, seconds in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:   # the group is gone already
+            return
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            proc.poll()   # reap the server itself; its children are reaped by init
+            try:
+                os.killpg(proc.pid, 0)   # signal 0: does any process of the group remain?
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+    print(f"warning: the server's process group {proc.pid} did not exit; the offline run may find less memory")
+
+
+def tail(log, lines: int = 20) -> str:
+    log.flush()
+    return "\n".join(Path(log.name).read_text(errors="replace").splitlines()[-lines:])
+
+
+def served_model(url: str) -> str:
+    """The name the server answers to, for the requests' `model` field."""
+    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def warm_up_server(url: str, args, prompts: Prompts, model: str) -> bool:
+    """Warm the server up; returns whether it takes `ignore_eos` (the warm-up doubles as the probe)."""
+    route, size = ROUTES[args.endpoint], len(prompts.ids)
+    ignore_eos = True
+    results = run_clients(url, route, jobs_for(args, prompts, False, ignore_eos, model, [0.0] * size), size, 1)
+    if any(r["error"] and "ignore_eos" in r["error"] for r in results):
+        print("the server refuses ignore_eos; sending requests without it (a response may stop at EOS)")
+        ignore_eos = False
+        results = run_clients(url, route, jobs_for(args, prompts, False, ignore_eos, model, [0.0] * size), size, 1)
+    errors = [r["error"] for r in results if r["error"]]
+    if errors:
+        print(f"warm-up: {len(errors)} of {size} requests failed, e.g. {errors[0]}")
+    return ignore_eos
+
+
+def run_server(args, device: str, warmup: Prompts, modes: dict[str, Prompts], max_model_len: int,
+               max_num_seqs: int) -> tuple[dict[str, dict], str, bool]:
+    """Every mode on one server. Returns each mode's figures, the server's command line, whether ignore_eos was sent."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "tinyvllm", "serve", "--model", args.model, "--device", device,
+               "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+    command += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+    rows = {}
+    with tempfile.NamedTemporaryFile("w+", prefix="tinyvllm-serve-", suffix=".log", delete=False) as log:
+        print(f"server: {shlex.join(command)} (log: {log.name})")
+        proc = start_server(command, url, log)
+        try:
+            model = served_model(url)
+            ignore_eos = warm_up_server(url, args, warmup, model)
+            rng = np.random.default_rng([args.seed, 1])   # the arrivals: seeded, apart from the prompts
+            for mode, prompts in modes.items():
+                jobs = jobs_for(args, prompts, MODES[mode], ignore_eos, model,
+                                arrival_times(len(prompts.ids), args.request_rate, rng))
+                rows[mode] = summarize(run_clients(url, ROUTES[args.endpoint], jobs, args.concurrency,
+                                                   args.client_processes))
+                print(f"{mode}: {rows[mode]['output_throughput']:,.1f} output tok/s, {rows[mode]['errors']} errors")
+        finally:
+            stop_server(proc)
+    return rows, shlex.join(command), ignore_eos
+
+
+# ---- the offline denominator ----
+
+def run_offline(args, device: str, warmup: Prompts, prompts: Prompts, max_model_len: int, max_num_seqs: int) -> dict:
+    """The same kind of prompts through LLM.generate, all at once, same limits: wall time from the call to
+    the last output."""
+    from tinyvllm import LLM
+
+    llm = LLM(args.model, device=device, max_model_len=max_model_len, num_blocks=args.num_blocks,
+              max_num_seqs=max_num_seqs)
+    generate(llm, warmup)
+    start = time.monotonic()
+    outputs = generate(llm, prompts)
+    seconds = time.monotonic() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"requests": len(outputs), "duration_s": seconds, "request_throughput": len(outputs) / seconds,
+            "output_tokens": tokens, "output_throughput": tokens / seconds}
+
+
+def generate(llm, prompts: Prompts) -> list:
+    from tinyvllm import SamplingParams
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in prompts.max_tokens]
+    return llm.generate(prompts.ids, params)
+
+
+# ---- the figures ----
+
+def stats_ms(seconds: list[float]) -> dict | None:
+    if not seconds:
+        return None
+    ms = 1e3 * np.asarray(seconds)
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p99": float(np.percentile(ms, 99))}
+
+
+def summarize(results: list[dict]) -> dict:
+    """vLLM's figures: the duration runs from the first request sent to the last response read; TPOT is
+    a request's time after its first token over its tokens after the first."""
+    ok = [r for r in results if r["error"] is None]
+    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
+    tokens = sum(r["completion_tokens"] for r in ok)
+    streamed = [r for r in ok if r["ttft"] is not None]
+    return {
+        "requests": len(results), "errors": len(results) - len(ok),
+        "error_examples": sorted({r["error"] for r in results if r["error"]})[:3],
+        "duration_s": seconds, "request_throughput": len(ok) / seconds,
+        "output_tokens": tokens, "output_throughput": tokens / seconds,
+        "prompt_tokens_mean": float(np.mean([r["prompt_tokens"] for r in ok])) if ok else None,
+        # a response shorter than max_tokens: the server stopped at EOS, ignore_eos was not honoured
+        "short_outputs": sum(r["completion_tokens"] < r["max_tokens"] for r in ok),
+        "latency_ms": stats_ms([r["end"] - r["start"] for r in ok]),
+        "ttft_ms": stats_ms([r["ttft"] for r in streamed]),
+        "tpot_ms": stats_ms([(r["end"] - r["start"] - r["ttft"]) / (r["completion_tokens"] - 1)
+                             for r in streamed if r["completion_tokens"] > 1]),
+        "itl_ms": stats_ms([gap for r in streamed for gap in r["itl"]]),
+    }
+
+
+def print_table(rows: dict[str, dict], offline: dict) -> None:
+    print(f"\n{'':10} {'requests':>8} {'errors':>6} {'seconds':>8} {'req/s':>8} {'out tok/s':>10} {'/ offline':>9}")
+    for name, row in {**rows, "offline": offline}.items():
+        ratio = row["output_throughput"] / offline["output_throughput"]
+        print(f"{name:10} {row['requests']:>8} {row.get('errors', '-'):>6} {row['duration_s']:>8.2f} "
+              f"{row['request_throughput']:>8.2f} {row['output_throughput']:>10,.1f} {ratio:>9.3f}")
+    print(f"\n{'ms':20} {'mean':>9} {'median':>9} {'p99':>9}")
+    for mode, row in rows.items():
+        for metric in ("ttft", "tpot", "itl", "latency"):
+            if row[f"{metric}_ms"]:
+                s = row[f"{metric}_ms"]
+                print(f"{mode + ' ' + metric.upper():20} {s['mean']:>9.1f} {s['median']:>9.1f} {s['p99']:>9.1f}")
+
+
+def host() -> dict:
+    """The machine the clients run on (and the engine too, on the CPU)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "?")
+    return {"cpu": model,
+            "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+            "httpx": httpx.__version__, "thread_env": {v: os.environ.get(v) for v in THREAD_VARS}}
+
+
+# ---- the run ----
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a model directory")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (chat: of the user's text)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, help="requests in flight at most (default 128; none with --request-rate)")
+    p.add_argument("--request-rate", type=float, help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--endpoint", choices=list(ROUTES), default="completions")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, help="one mode only (default: both)")
+    p.add_argument("--client-processes", type=int, default=8)
+    p.add_argument("--num-blocks", type=int, help="KV cache blocks, server and offline (default: from memory)")
+    p.add_argument("--max-model-len", type=int, help="default: the longest prompt + --output-len")
+    p.add_argument("--max-num-seqs", type=int, help="server and offline (default: --concurrency, at most 256)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="the result file (default: bench/results/serving-<model>-<device>-<time>.json)")
+    args = p.parse_args()
+    if args.concurrency is None:
+        args.concurrency = args.num_requests if args.request_rate else 128   # a rate alone: no cap, as vLLM
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    # `kill` or `timeout` sends SIGTERM: exit through the `finally` that stops the server, which runs in
+    # a session of its own and would otherwise outlive this process
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # the engine stays out of the client processes, which re-import this file
+    from tinyvllm.backend import resolve_device
+    from tinyvllm.models import resolve_model
+    from tinyvllm.tokenizer import load_tokenizer
+
+    load_at_start = os.getloadavg()
+    device = resolve_device(args.device)
+    tokenizer = load_tokenizer(resolve_model(args.model))   # converts the default model once
+    allowed = allowed_ids(tokenizer)
+    rng = np.random.default_rng(args.seed)
+    lengths, outputs = [args.input_len] * args.num_requests, [args.output_len] * args.num_requests
+    # a fresh set for each mode; offline gets the first mode's set on its own fresh engine
+    modes = {m: random_prompts(tokenizer, allowed, args.endpoint, lengths, outputs, rng)
+             for m, on in MODES.items() if args.stream in (None, on)}
+    max_model_len = args.max_model_len or max(len(i) for p in modes.values() for i in p.ids) + args.output_len
+    max_num_seqs = args.max_num_seqs or min(args.concurrency, 256)   # both sides batch the same at most
+    warmup = warmup_prompts(tokenizer, allowed, args, min(max_num_seqs, args.concurrency, args.num_requests),
+                            max_model_len, rng)
+
+    rows, server_command, ignore_eos = run_server(args, device, warmup, modes, max_model_len, max_num_seqs)
+    offline = run_offline(args, device, warmup, next(iter(modes.values())), max_model_len, max_num_seqs)
+    print_table(rows, offline)
+    ratios = {mode: row["output_throughput"] / offline["output_throughput"] for mode, row in rows.items()}
+    print(f"\nHTTP / offline output tok/s: {', '.join(f'{m} {r:.3f}' for m, r in ratios.items())} "
+          f"(target >= {TARGET})")
+    if not ignore_eos or any(row["short_outputs"] for row in rows.values()):
+        print("note: the server did not honour ignore_eos; output tok/s counts the tokens it did generate")
+
+    machine = {"host": host() | {"load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()}}
+    if device == "cuda":
+        machine |= gpu_machine()
+    result = {"benchmark": "serving", "machine": machine, "model": args.model, "device": device,
+              "command": shlex.join(["python", "bench/serving.py", *sys.argv[1:]]), "server_command": server_command,
+              "workload": {"num_requests": args.num_requests, "input_len": args.input_len,
+                           "output_len": args.output_len, "endpoint": args.endpoint,
+                           "concurrency": args.concurrency, "request_rate": args.request_rate,
+                           "client_processes": args.client_processes, "max_num_seqs": max_num_seqs,
+                           "max_model_len": max_model_len, "num_blocks": args.num_blocks, "seed": args.seed,
+                           "temperature": 0, "ignore_eos_sent": ignore_eos, "warmup_requests": len(warmup.ids)},
+              "results": {**rows, "offline": offline}, "http_over_offline": ratios, "target_http_over_offline": TARGET}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print("wrote", args.out)
+    else:
+        name = args.model if args.model == "default" else Path(args.model).name
+        print("wrote", write_result(f"serving-{name}-{device}", result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Chapter 7: what a serving engineer watches, as Prometheus metrics under vLLM's names.
+
+The same names as vLLM (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...), so a
+dashboard or an alert written for vLLM reads tinyvllm unchanged:
+  - queues: how many requests run, how many wait — waiting that grows means the server is saturated;
+  - the KV cache: the share of blocks in use — near 100% is where preemption starts;
+  - latency as a user feels it: time to the first token (queueing + prefill), then the time between
+    tokens (decode steps), and the whole request;
+  - work done: prompt and generated token counters (their rate is throughput).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Buckets as vLLM's (seconds): a time to first token spans milliseconds (a cache hit) to minutes (a queue).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    """One registry per server (tests run several servers in one process)."""
+    def __init__(self, model_name: str):
+        self.registry = registry = CollectorRegistry()
+        label = {"labelnames": ["model_name"], "registry": registry}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"vllm:{name}", doc, **label).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"vllm:{name}", doc, **label).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"vllm:{name}", doc, buckets=buckets, **label).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot or for KV blocks.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        self._success = Counter("vllm:request_success", "Requests finished, by finish reason.",
+                                ["model_name", "finished_reason"], registry=registry)
+        self.model_name = model_name
+
+    def queues(self, running: int, waiting: int, free_blocks: int, num_blocks: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_cache_usage.set(1 - free_blocks / num_blocks if num_blocks else 0.0)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
