@@ -205,8 +205,10 @@ def chat_delta_choice(index: int, delta: dict, logprobs: dict | None, finish_rea
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def response(request_id: str, object_: str, model: str, choices: list[dict], use: dict | None = None) -> dict:
-    out = {"id": request_id, "object": object_, "created": int(time.time()), "model": model, "choices": choices}
+def response(request_id: str, object_: str, model: str, choices: list[dict], use: dict | None = None,
+             created: int | None = None) -> dict:
+    out = {"id": request_id, "object": object_, "created": created or int(time.time()), "model": model,
+           "choices": choices}
     if use is not None:
         out["usage"] = use
     return out
