@@ -7,13 +7,15 @@ API in this process, from the same model and settings, before any server starts.
 - bad requests: a 4xx with OpenAI's error object naming the field, and the server goes on;
 - logprobs, n > 1 and penalties: equal to the Python API's (which is tested against transformers and NumPy);
 - isolation: a request that fails inside the engine fails alone; a dead engine turns /health to 503;
-- disconnects of every kind abort the request within one engine step; /metrics shows it;
+- disconnects of every kind abort the request at once (only steps already under way may finish); /metrics
+  shows it;
 - limits: a full queue gets 429, a request without max_tokens gets what fits a small pool; the API key.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -270,6 +272,16 @@ def test_fields_the_engine_once_choked_on(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_one_access_log_line_per_request(server, client, caplog):
+    caplog.set_level(logging.INFO, logger="tinyvllm.access")
+    got = client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=3, temperature=0, user="ada")
+    assert wait_until(lambda: any(got.id in r.getMessage() for r in caplog.records), 5)
+    line = next(r.getMessage() for r in caplog.records if got.id in r.getMessage())
+    assert line.startswith(f"POST /v1/completions 200 {got.id} user='ada' ")
+    assert f"prompt_tokens={got.usage.prompt_tokens} " in line
+    assert f"output_tokens={got.usage.completion_tokens} " in line and line.endswith("s")
+
+
 def test_http_details(server):
     r = httpx.delete(f"{server.url}/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
@@ -394,6 +406,25 @@ def test_a_small_pool_clamps_the_window_and_a_dead_engine_is_503():
         assert wait_until(lambda: httpx.get(f"{srv.url}/health").status_code == 503, 10)
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    finally:
+        srv.stop()
+
+
+def test_n_samples_share_the_prompts_blocks_with_prefix_caching(default_model_dir):
+    prompt = ("Write three short sentences: one about the sea at dawn, one about the sky before a storm, "
+              "and one about the mountains in winter. Keep each under ten words.")          # > 2 blocks
+    params = dict(temperature=0.9, seed=7, max_tokens=6)
+    llm = LLM(default_model_dir, device="cpu", max_model_len=MAX_MODEL_LEN, num_blocks=64, enable_prefix_caching=True)
+    want = llm.generate(prompt, SamplingParams(**params, n=3))[0]
+    cached = 16 * ((len(want.prompt_token_ids) - 1) // 16)   # full blocks, short of the last token (computed)
+    srv = start(num_blocks=64, enable_prefix_caching=True)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        got = client.completions.create(model="default", prompt=prompt, n=3, **params)
+        assert [c.text for c in got.choices] == [o.text for o in want.outputs]
+        assert wait_until(lambda: read_metric(srv, "vllm:prefix_cache_hits_total") == 2 * cached, 5), \
+            "samples 1 and 2 should find sample 0's full prompt blocks in the cache"
+        assert read_metric(srv, "vllm:prefix_cache_queries_total") == 3 * len(want.prompt_token_ids)
     finally:
         srv.stop()
 

@@ -6,11 +6,11 @@ a step, launch the kernels, sample). In one process they share one GIL, so every
 step delayed. vLLM's answer, and ours: the engine core runs in its own process and talks to the API
 server over two ZeroMQ sockets —
 
-    API server --- commands: Add(request), Abort(request id), Shutdown ---> engine core
-    API server <-- one Report per step: new tokens per request, queue sizes -- engine core
+    API server --- commands: Add(request), Abort(request id), None (shut down) ---> engine core
+    API server <-- one Report per step: new tokens per request, queue sizes ---- engine core
 
-The engine core never detokenizes a streaming request (the API side does, while the next step runs),
-except when stop strings need the text to decide where the output ends. Nothing a request carries can
+The engine core does not detokenize token by token (the API side does, while the next step runs), except
+when stop strings need the text to decide where the output ends; its Update carries token ids. Nothing a request carries can
 stop this loop: a request that fails, fails alone (its Update carries the error), and the loop goes on.
 """
 from __future__ import annotations
@@ -57,6 +57,8 @@ class Add(NamedTuple):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    after: str | None = None          # sample 0 of the same prompt (n > 1): with prefix caching, start once
+                                      # it is prefilled, so this sample finds the prompt's blocks cached
 
 
 class Abort(NamedTuple):
@@ -80,6 +82,8 @@ class Stats:
     free_blocks: int = 0
     num_blocks: int = 0
     steps: int = 0
+    prefix_cache_queries: int = 0     # prompt tokens admitted so far (recomputed ones included)
+    prefix_cache_hits: int = 0        # of which found in the prefix cache, not computed
 
 
 class Report(NamedTuple):
@@ -95,9 +99,11 @@ class EngineCore:
     def __init__(self, llm, commands: zmq.Socket, reports: zmq.Socket):
         self.llm, self.engine, self.commands, self.reports = llm, llm.llm_engine, commands, reports
         self.requests: dict[str, Sequence] = {}      # request id -> its sequence, while it waits or runs
+        self.deferred: list[Add] = []                # samples waiting for their sample 0's prefill
         self.names: dict[int, str] = {}              # sequence id -> request id
         self.sent: dict[str, int] = {}               # request id -> tokens already reported
         self.steps, self.started, self.parent = 0, time.perf_counter(), os.getppid()
+        self.queries = self.hits = 0                 # prefix cache: tokens admitted, tokens found cached
 
     def run(self) -> None:
         busy = idle = 0.0                                          # seconds in steps, and waiting for work
@@ -108,23 +114,28 @@ class EngineCore:
             while was_idle and not self.commands.poll(POLL_MS):   # idle: sleep until a command arrives
                 if os.getppid() != self.parent:                     # the API server is gone: so are we
                     return log.warning("the API server process is gone; the engine stops")
+            idle += time.perf_counter() - start if was_idle else 0.0
             while self.commands.poll(0):
                 command = pickle.loads(self.commands.recv())
                 if command is None:
                     return log.info("%d steps: %.2f s in steps, %.2f s in between, %.2f s idle", self.steps,
                                     busy, time.perf_counter() - self.started - busy - idle, idle)
                 self._apply(command, updates)
+            for command in self._ready_samples():
+                self._apply(command, updates)
             stepping = time.perf_counter()
-            idle += stepping - start if was_idle else 0.0
             step = self._step(updates) if self.engine.has_work() else None
             busy += time.perf_counter() - stepping
             self.reports.send(pickle.dumps(Report(updates, self.stats(), step), pickle.HIGHEST_PROTOCOL))
 
     def _apply(self, command: Add | Abort, updates: list[Update]) -> None:
         if isinstance(command, Abort):
+            self.deferred = [add for add in self.deferred if add.request_id != command.request_id]
             if command.request_id in self.requests:
                 self.engine.abort(self._forget(command.request_id))   # its blocks are back in the pool now
             return
+        if command.after is not None and self.llm.enable_prefix_caching and self._prefilling(command.after):
+            return self.deferred.append(command)
         try:   # the API side checked the request; anything raised here still fails this request only
             seq = self.llm.add_request(command.prompt_ids, command.params, stream=False)
         except Exception as e:
@@ -134,6 +145,15 @@ class EngineCore:
             return
         self.requests[command.request_id], self.sent[command.request_id] = seq, 0
         self.names[seq.seq_id] = command.request_id
+
+    def _prefilling(self, request_id: str) -> bool:
+        seq = self.requests.get(request_id)
+        return seq is not None and not seq.output_ids
+
+    def _ready_samples(self) -> list[Add]:
+        ready = [add for add in self.deferred if not self._prefilling(add.after)]
+        self.deferred = [add for add in self.deferred if add not in ready]
+        return ready
 
     def _forget(self, request_id: str) -> Sequence:
         seq = self.requests.pop(request_id)
@@ -150,6 +170,11 @@ class EngineCore:
                 updates.append(Update(request_id, [], None, None, "error", f"the engine failed: {one_line(e)}"))
             return None
         self.steps += 1
+        for seq_id in self.engine.trace[-1]["prefill"]:
+            seq = self.requests.get(self.names.get(seq_id))
+            if seq is not None:
+                self.queries += len(seq) - 1      # what it prefilled: all but the token it just sampled
+                self.hits += seq.num_cached
         record = {key: [self.names.get(i, i) for i in value] if isinstance(value, list) else value
                   for key, value in self.engine.trace[-1].items()}   # sequence ids -> request ids
         record["step"] = self.steps
@@ -171,7 +196,7 @@ class EngineCore:
     def stats(self) -> Stats:
         scheduler, cache = self.engine.scheduler, self.llm.cache
         return Stats(len(scheduler.running), len(scheduler.waiting), cache.blocks.num_free, cache.num_blocks,
-                     self.steps)
+                     self.steps, self.queries, self.hits)
 
 
 def one_line(e: BaseException) -> str:
@@ -278,8 +303,8 @@ class EngineClient:
         if self.on_death is not None:
             self.on_death(reason)
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._send(Add(request_id, prompt_ids, params))
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, after: str | None = None) -> None:
+        self._send(Add(request_id, prompt_ids, params, after))
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))

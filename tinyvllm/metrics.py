@@ -6,7 +6,8 @@ dashboard or an alert written for vLLM reads tinyvllm unchanged:
   - the KV cache: the share of blocks in use — near 100% is where preemption starts;
   - latency as a user feels it: time to the first token (queueing + prefill), then the time between
     tokens (decode steps), and the whole request;
-  - work done: prompt and generated token counters (their rate is throughput).
+  - work done: prompt and generated token counters (their rate is throughput);
+  - the prefix cache: prompt tokens looked up and found (their ratio is the hit rate).
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ class Metrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot or for KV blocks.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received (each of n samples counts its prompt).")
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens admitted, looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS)
@@ -47,11 +50,16 @@ class Metrics:
         self._success = Counter("vllm:request_success", "Requests finished, by finish reason.",
                                 ["model_name", "finished_reason"], registry=registry)
         self.model_name = model_name
+        self._seen = (0, 0)        # the engine's cumulative prefix-cache counts at the last report
 
-    def queues(self, running: int, waiting: int, free_blocks: int, num_blocks: int) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_cache_usage.set(1 - free_blocks / num_blocks if num_blocks else 0.0)
+    def engine_stats(self, stats) -> None:
+        """The engine's counts after a step (an engine_core.Stats): gauges set, counters moved on."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_cache_usage.set(1 - stats.free_blocks / stats.num_blocks if stats.num_blocks else 0.0)
+        self.cache_queries.inc(stats.prefix_cache_queries - self._seen[0])
+        self.cache_hits.inc(stats.prefix_cache_hits - self._seen[1])
+        self._seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -62,8 +62,9 @@ class Choice:
     """One engine request as the API side follows it: one choice (of n, for each prompt) of an HTTP request.
     The reader's updates accumulate here; the response takes them as text when it is ready to write."""
     def __init__(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer, wake: asyncio.Event, stream: bool):
+                 tokenizer: Tokenizer, wake: asyncio.Event, stream: bool, after: str | None = None):
         self.request_id, self.index, self.prompt_ids, self.params = request_id, index, prompt_ids, params
+        self.after = after                  # n > 1: the request id of sample 0 of the same prompt
         self.tokenizer, self.wake, self.stream = tokenizer, wake, stream
         self.token_ids: list[int] = []
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
@@ -159,8 +160,7 @@ class AsyncEngine:
             self._dispatch_one(Update(request_id, [], None, None, "error", error), time.perf_counter())
 
     def _dispatch(self, report: Report, now: float) -> None:
-        stats = report.stats
-        self.metrics.queues(stats.running, stats.waiting, stats.free_blocks, stats.num_blocks)
+        self.metrics.engine_stats(report.stats)
         if report.step is not None:
             self.steps.append({**report.step, "time": now})
         for update in report.updates:
@@ -183,12 +183,12 @@ class AsyncEngine:
             raise ApiError(400, f"this request asks for {len(choices)} sequences (prompts x n); this server takes "
                                 f"at most {most} at once (--max-num-seqs plus --max-queue); split it", param="n")
         if len(choices) > most - len(self.choices):
-            raise ApiError(429, f"{len(self.choices)} requests are running or waiting (the server's --max-num-seqs "
+            raise ApiError(429, f"{len(self.choices)} sequences are running or waiting (the server's --max-num-seqs "
                                 "plus --max-queue); retry later", "rate_limit_error", code="queue_full")
         for choice in choices:
             self.choices[choice.request_id] = choice
             self.metrics.prompt_tokens.inc(len(choice.prompt_ids))
-            self.client.add(choice.request_id, choice.prompt_ids, choice.params)
+            self.client.add(choice.request_id, choice.prompt_ids, choice.params, choice.after)
 
     def abort(self, choices: list[Choice]) -> None:
         """Stop the unfinished ones now: the client is gone (or the request failed)."""
@@ -313,9 +313,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except TinyVLLMError as e:
             raise ApiError(400, str(e)) from None
         request_id, wake = api.new_id("chatcmpl" if chat else "cmpl"), asyncio.Event()
-        choices = [Choice(f"{request_id}-{i}", i, ids, params.child(k), tokenizer, wake, body.stream)
+        choices = [Choice(f"{request_id}-{i}", i, ids, params.child(k), tokenizer, wake, body.stream,
+                          after=None if k == 0 else f"{request_id}-{i - k}")   # sample 0 of the same prompt
                    for i, (ids, k) in enumerate((ids, k) for ids in prompts for k in range(params.n))]
-        request.state.request_id, request.state.choices = request_id, choices
+        request.state.request_id, request.state.choices, request.state.user = request_id, choices, body.user
         engine.submit(choices)
         reply = Reply(request_id, model_name, chat, body, choices, tokenizer)
         if body.stream:
@@ -477,7 +478,7 @@ async def stream_events(engine: AsyncEngine, reply: Reply):
                     error = api.error(f"the request failed in the engine: {choice.error}", "server_error")
                     yield "".join(events) + event(error) + "data: [DONE]\n\n"
                     return
-                if text or ids:
+                if text or entries:   # a stop token alone is no text: nothing to send but the finish
                     events.append(reply.chunk(choice, text, ids, entries, None))
                 if choice.finished:
                     events.append(reply.chunk(choice, None, [], None, choice.finish_reason))
@@ -528,7 +529,8 @@ class BodyLimit:
 
 
 class AccessLog:
-    """One line per request: method, path, status, request id, tokens in and out, seconds."""
+    """One line per request: method, path, status, request id, the client's `user` if sent, tokens in and
+    out, seconds."""
     def __init__(self, app):
         self.app = app
 
@@ -547,8 +549,9 @@ class AccessLog:
         finally:
             state = scope.get("state", {})
             choices = state.get("choices", [])
-            access_log.info("%s %s %d %s prompt_tokens=%d output_tokens=%d %.3fs", scope["method"], scope["path"],
-                            status[0], state.get("request_id", "-"), sum(len(c.prompt_ids) for c in choices),
+            user = f" user={state['user']!r}" if state.get("user") else ""
+            access_log.info("%s %s %d %s%s prompt_tokens=%d output_tokens=%d %.3fs", scope["method"], scope["path"],
+                            status[0], state.get("request_id", "-"), user, sum(len(c.prompt_ids) for c in choices),
                             sum(len(c.token_ids) for c in choices), time.perf_counter() - start)
 
 
