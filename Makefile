@@ -40,7 +40,7 @@ test: $(VENV)/.test  ## the CPU test suite (what CI runs)
 # With PYTHON=... given (a Python that already has CuPy, torch and transformers), nothing is installed.
 GPU_PY := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(PY))
 test-gpu: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.test)  ## the GPU tests (needs an NVIDIA GPU and CuPy: pip install -e '.[gpu]')
-	$(GPU_PY) -m pytest -m gpu -q -rs tests/test_gpu_*.py tests/test_ch*_exercises.py
+	$(GPU_PY) -m pytest -m gpu -q -rs tests/test_gpu_*.py tests/test_ch*_exercises.py tests/test_lifecycle.py
 
 chapter-%: setup  ## run a chapter's checkpoint: make chapter-1 [IMPL=student]
 	$(PY) -m chapters $* --impl $(IMPL)

@@ -1,17 +1,51 @@
-"""Shared fixtures: the grading switch (--impl), the default model, tiny random checkpoints."""
+"""Shared fixtures: the grading switch (--impl), the default model, tiny random checkpoints, seeded
+random generators (tests/seeding.py: the seed is printed in the header and with every failure)."""
 from __future__ import annotations
 
 import os
 import re
 
+import numpy as np
 import pytest
 
 from chapters.grading import IMPLS, implementation
+from tests import seeding
+
+# The tiny random-weight checkpoint several test files share: SmolLM2's (or Llama 3.2's) names, vocabulary
+# and tokenizer, shrunk to 2 layers of width 64 with GQA 2:1, so that a model runs in milliseconds.
+TINY_DIMS = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=128)
 
 
 def pytest_addoption(parser):
     parser.addoption("--impl", choices=IMPLS, default=os.environ.get("TINYVLLM_IMPL", "reference"),
                      help="grade the engine's functions (reference) or chapters/*/exercises.py (student)")
+
+
+def pytest_report_header(config):
+    return seeding.header()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        section = seeding.failure_section(item)
+        if section:
+            report.sections.append(("random seeds", section))
+    return report
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """This test's seed: the session's base seed mixed with the test's node id (tests/seeding.py)."""
+    return seeding.seed_for_request(request)
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    """A generator seeded with this test's seed: fresh inputs per session, the same ones on a rerun."""
+    return np.random.default_rng(seed)
 
 
 @pytest.fixture
@@ -28,3 +62,18 @@ def default_model_dir():
     """The converted SmolLM2-135M-Instruct directory (converted once per $TINYVLLM_HOME)."""
     from tinyvllm.models import default_model_dir as resolve
     return resolve()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random-weight SmolLM2-shaped checkpoint (TINY_DIMS, seed 7), written once per session. Read-only:
+    copy it before damaging it."""
+    from tinyvllm.models import synth_model
+    return synth_model("smollm2-135m", tmp_path_factory.mktemp("tiny") / "smollm2", seed=7, **TINY_DIMS)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """The same, shaped like Llama 3.2 (its 128k vocabulary, llama3 RoPE scaling, tiktoken tokenizer), seed 3."""
+    from tinyvllm.models import synth_model
+    return synth_model("llama-3.2-1b", tmp_path_factory.mktemp("tiny") / "llama", seed=3, **TINY_DIMS)

@@ -27,7 +27,3 @@ def nan_bf16(shape):
 def from_bf16(a) -> np.ndarray:
     import cupy as cp
     return bf16_bits_to_float32(cp.asnumpy(a))
-
-
-def rel_error(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))

@@ -16,18 +16,16 @@ import pytest
 
 from tinyvllm.cli import main
 from tinyvllm.config import config_from_dict
-from tinyvllm.models import llama3_tokenizer_dir, synth_model
+from tinyvllm.models import llama3_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            intermediate_size=128)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return synth_model("llama-3.2-1b", tmp_path_factory.mktemp("bad") / "base", seed=3, **TINY)
+def base(tiny_llama_dir) -> Path:
+    return tiny_llama_dir  # read only: model_with() copies it before damaging a file
 
 
 def original(base: Path, name: str) -> Path:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.models import synth_model
 from tinyvllm.sequence import Status
 
 QUESTIONS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?", "Why is the sea salty?",
@@ -69,12 +68,10 @@ def test_prefix_caching_on_a_shared_system_prompt(default_model_dir):
 
 
 @pytest.mark.slow
-def test_soak_thousand_requests_random_arrivals(tmp_path):
+def test_soak_thousand_requests_random_arrivals(tiny_llama_dir):
     """A tiny model, 1,000 requests with random prompt and output lengths arriving over the steps: every
     one completes with exactly its tokens, nobody is overtaken at admission, the pool ends full."""
-    path = synth_model("llama-3.2-1b", tmp_path / "tiny", seed=1, num_hidden_layers=2, hidden_size=64,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
-    llm = LLM(path, device="cpu", num_blocks=120, max_num_seqs=48, max_num_batched_tokens=512)
+    llm = LLM(tiny_llama_dir, device="cpu", num_blocks=120, max_num_seqs=48, max_num_batched_tokens=512)
     engine, rng = llm.llm_engine, np.random.default_rng(0)
     arrivals = np.sort(rng.integers(0, 600, 1000))
     pending, seqs, admitted, preempted = list(range(1000)), [], [], 0

@@ -21,6 +21,7 @@ from tinyvllm.config import load_config  # noqa: E402
 from tinyvllm.models import PRESETS, synth_model  # noqa: E402
 from tinyvllm.weights import load_weights  # noqa: E402
 
+from tests import seeding  # noqa: E402
 from tests.numeric import F32, check, randn, rel_err, torch_attention  # noqa: E402,F401
 
 
@@ -30,8 +31,7 @@ from tests.numeric import F32, check, randn, rel_err, torch_attention  # noqa: E
 
 @pytest.mark.ch1
 @pytest.mark.parametrize("scale", [1.0, 1e-3, 300.0])  # 1e-3: eps dominates; 300: large activations
-def test_rms_norm_matches_llama_rmsnorm(impl, scale):
-    rng = np.random.default_rng()
+def test_rms_norm_matches_llama_rmsnorm(impl, scale, rng):
     T, hidden, eps = 7, 37, float(rng.choice([1e-5, 1e-6]))
     x, w = randn(rng, T, hidden, scale=scale), 1 + randn(rng, hidden, scale=0.2)
     hf = modeling_llama.LlamaRMSNorm(hidden, eps=eps)
@@ -42,8 +42,7 @@ def test_rms_norm_matches_llama_rmsnorm(impl, scale):
 
 
 @pytest.mark.ch1
-def test_rms_norm_works_over_the_last_axis_of_any_rank(impl):
-    rng = np.random.default_rng()
+def test_rms_norm_works_over_the_last_axis_of_any_rank(impl, rng):
     x, w = randn(rng, 3, 5, 24), randn(rng, 24)
     hf = modeling_llama.LlamaRMSNorm(24, eps=1e-5)
     with torch.no_grad():
@@ -66,8 +65,8 @@ def hf_inv_freq(cfg) -> np.ndarray:
 
 @pytest.mark.ch1
 @pytest.mark.parametrize("head_dim", [16, 64, 96])
-def test_rope_inv_freq_without_scaling(impl, head_dim):
-    theta = float(np.random.default_rng().choice([10000.0, 100000.0, 500000.0]))
+def test_rope_inv_freq_without_scaling(impl, head_dim, rng):
+    theta = float(rng.choice([10000.0, 100000.0, 500000.0]))
     cfg = replace(PRESETS["smollm2-135m"], head_dim=head_dim, rope_theta=theta)
     check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (head_dim // 2,))
 
@@ -80,9 +79,8 @@ def test_rope_inv_freq_with_llama3_scaling(impl, preset):
 
 
 @pytest.mark.ch1
-def test_rope_inv_freq_with_unusual_llama3_parameters(impl):
+def test_rope_inv_freq_with_unusual_llama3_parameters(impl, rng):
     """Other factors and an original context of 256, so every branch (kept, ramp, divided) is used."""
-    rng = np.random.default_rng()
     scaling = {"rope_type": "llama3", "factor": float(rng.uniform(2, 40)), "low_freq_factor": 1.5,
                "high_freq_factor": 6.0, "original_max_position_embeddings": 256}
     cfg = replace(PRESETS["llama-3.2-1b"], head_dim=32, rope_theta=10000.0, rope_scaling=scaling)
@@ -101,8 +99,7 @@ def hf_cos_sin(head_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.nda
 
 @pytest.mark.ch1
 @pytest.mark.parametrize("T,heads,start", [(7, 5, 0), (1, 3, 1000), (13, 1, 42)])
-def test_apply_rope_matches_transformers(impl, T, heads, start):
-    rng = np.random.default_rng()
+def test_apply_rope_matches_transformers(impl, T, heads, start, rng):
     d = 24
     x = randn(rng, T, heads, d)
     cos, sin = hf_cos_sin(d, np.arange(start, start + T))
@@ -112,9 +109,8 @@ def test_apply_rope_matches_transformers(impl, T, heads, start):
 
 
 @pytest.mark.ch1
-def test_apply_rope_keeps_lengths_and_relative_angles(impl):
+def test_apply_rope_keeps_lengths_and_relative_angles(impl, rng):
     """Hand-derived: a rotation keeps each pair's length, and q.k depends only on the position gap."""
-    rng = np.random.default_rng()
     d = 32
     q, k = randn(rng, 1, 1, d), randn(rng, 1, 1, d)
     rope = impl("apply_rope")
@@ -132,15 +128,13 @@ def test_apply_rope_keeps_lengths_and_relative_angles(impl):
 
 @pytest.mark.ch1
 @pytest.mark.parametrize("scale", [1.0, 200.0])  # 200: exp() overflows float32 without the max trick
-def test_softmax_matches_torch(impl, scale):
-    rng = np.random.default_rng()
+def test_softmax_matches_torch(impl, scale, rng):
     x = randn(rng, 3, 5, 11, scale=scale)
     check(impl("softmax")(x), torch.softmax(torch.from_numpy(x), dim=-1).numpy(), x.shape)
 
 
 @pytest.mark.ch1
-def test_softmax_gives_masked_entries_zero(impl):
-    rng = np.random.default_rng()
+def test_softmax_gives_masked_entries_zero(impl, rng):
     x = randn(rng, 6, 9)
     x[np.triu_indices(6, k=1, m=9)] = -np.inf  # a causal mask
     out = impl("softmax")(x)
@@ -157,8 +151,7 @@ def test_softmax_gives_masked_entries_zero(impl):
     (4, 9, 5, 4, 4),      # a chunk of 4 after 5 cached tokens, no grouping (MHA)
     (5, 5, 0, 8, 1),      # all query heads share one K/V head (MQA)
 ])
-def test_attention_matches_torch_sdpa(impl, T, S, start, H, KVH):
-    rng = np.random.default_rng()
+def test_attention_matches_torch_sdpa(impl, T, S, start, H, KVH, rng):
     d = 16
     q, k, v = randn(rng, T, H, d, scale=2.0), randn(rng, S, KVH, d, scale=2.0), randn(rng, S, KVH, d)
     check(impl("attention")(q, k, v, start), torch_attention(q, k, v, start), (T, H * d))
@@ -171,8 +164,8 @@ LLAMA3_SMALL = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    seed = int(np.random.default_rng().integers(1 << 30))
+def tiny_llama(tmp_path_factory, request):
+    seed = seeding.seed_for_request(request)  # fresh weights each session, printed if a test fails
     path = synth_model("llama-3.2-1b", tmp_path_factory.mktemp("tiny") / "model", seed=seed,
                        num_hidden_layers=2, hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
                        head_dim=16, intermediate_size=160, vocab_size=301, rope_theta=10000.0,
@@ -182,14 +175,14 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.mark.ch1
-def test_reference_model_with_your_functions_matches_transformers(impl, monkeypatch, tiny_llama):
+def test_reference_model_with_your_functions_matches_transformers(impl, monkeypatch, tiny_llama, rng):
     """Prefill 20 tokens, then decode 9 one at a time through the KV cache: logits vs LlamaForCausalLM."""
     path, hf = tiny_llama
     for name in exercises(1).REFERENCE:
         monkeypatch.setattr(reference, name, impl(name))
     cfg = load_config(path)
     model = reference.ReferenceModel(cfg, load_weights(path, cfg).views)
-    ids = np.random.default_rng().integers(0, cfg.vocab_size, 29)
+    ids = rng.integers(0, cfg.vocab_size, 29)
     with torch.no_grad():
         ref = hf(torch.from_numpy(ids)[None]).logits[0].numpy()
     cache = model.new_cache(len(ids))

@@ -77,13 +77,13 @@ def check_against_library(parse_header, path: Path, raw: bytes | None = None) ->
 # ---- Exercise 2.1: parse_header -------------------------------------------------------------
 
 @pytest.mark.parametrize("trial", range(6))
-def test_parse_header_matches_the_safetensors_library(impl, tmp_path, trial):
-    path = random_library_file(tmp_path / f"random{trial}.safetensors", np.random.default_rng())
+def test_parse_header_matches_the_safetensors_library(impl, tmp_path, trial, rng):
+    path = random_library_file(tmp_path / f"random{trial}.safetensors", rng)
     check_against_library(impl("parse_header"), path)
 
 
-def test_parse_header_accepts_the_whole_file_as_raw(impl, tmp_path):
-    path = random_library_file(tmp_path / "whole.safetensors", np.random.default_rng())
+def test_parse_header_accepts_the_whole_file_as_raw(impl, tmp_path, rng):
+    path = random_library_file(tmp_path / "whole.safetensors", rng)
     check_against_library(impl("parse_header"), path, raw=path.read_bytes())
 
 
@@ -143,9 +143,9 @@ def _corruptible_file(path: Path, rng: np.random.Generator) -> Path:
 
 
 @pytest.mark.parametrize("corruption", CORRUPTIONS)
-def test_parse_header_rejects_corrupt_files(impl, tmp_path, corruption):
+def test_parse_header_rejects_corrupt_files(impl, tmp_path, corruption, rng):
     corrupt, names_tensor = CORRUPTIONS[corruption]
-    path = _corruptible_file(tmp_path / f"{corruption}.safetensors", np.random.default_rng())
+    path = _corruptible_file(tmp_path / f"{corruption}.safetensors", rng)
     path.write_bytes(corrupt(path.read_bytes()))
     with pytest.raises(Exception):  # the corruption is real: the library refuses the file too
         with safe_open(str(path), framework="pt") as f:
@@ -166,8 +166,8 @@ def torch_widen(bits: np.ndarray) -> np.ndarray:
     return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(torch.float32).numpy()
 
 
-def test_bf16_bits_to_float32_matches_torch_on_every_bit_pattern(impl):
-    bits = np.random.default_rng().permutation(np.arange(2**16, dtype=np.uint16)).reshape(256, 256)
+def test_bf16_bits_to_float32_matches_torch_on_every_bit_pattern(impl, rng):
+    bits = rng.permutation(np.arange(2**16, dtype=np.uint16)).reshape(256, 256)
     out = impl("bf16_bits_to_float32")(bits)
     assert out.dtype == np.float32 and out.shape == bits.shape
     assert np.array_equal(out.view(np.uint32), torch_widen(bits).view(np.uint32))  # NaN payloads too
@@ -194,8 +194,8 @@ def hard_float32s(rng: np.random.Generator) -> np.ndarray:
     return np.concatenate([special, u]).view(np.float32)
 
 
-def test_float32_to_bf16_bits_matches_torch_rounding(impl):
-    x = hard_float32s(np.random.default_rng())
+def test_float32_to_bf16_bits_matches_torch_rounding(impl, rng):
+    x = hard_float32s(rng)
     out = impl("float32_to_bf16_bits")(x)
     ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert out.dtype == np.uint16 and out.shape == x.shape
@@ -207,8 +207,8 @@ def test_float32_to_bf16_bits_matches_torch_rounding(impl):
     assert np.isnan(torch_widen(out[nan])).all(), "NaN must stay NaN"  # torch's NaN payload is its own choice
 
 
-def test_float32_to_bf16_bits_keeps_shape_and_round_trips(impl):
-    bits = np.random.default_rng().integers(0, 2**16, size=(64, 33), dtype=np.uint16)
+def test_float32_to_bf16_bits_keeps_shape_and_round_trips(impl, rng):
+    bits = rng.integers(0, 2**16, size=(64, 33), dtype=np.uint16)
     widened = torch_widen(bits)
     out = impl("float32_to_bf16_bits")(widened)
     assert out.shape == bits.shape
@@ -230,9 +230,8 @@ def expected_layout(arrays) -> list[Region]:
 
 
 @pytest.mark.parametrize("trial", range(4))
-def test_lay_out_aligns_every_start(impl, trial):
+def test_lay_out_aligns_every_start(impl, trial, rng):
     assert ALIGN == 256
-    rng = np.random.default_rng()
     arrays = [(f"t{i}", tuple(int(s) for s in rng.integers(1, 300, size=rng.integers(1, 3))),
                str(rng.choice(["bf16", "f32"]))) for i in range(rng.integers(1, 12))]
     assert impl("lay_out")(arrays) == expected_layout(arrays)

@@ -36,18 +36,16 @@ CASES = {  # T, S, start_pos, H, KVH, d
 @pytest.mark.ch3
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("block", [1, 5, 16, 64])
-def test_online_softmax_attention_matches_torch_sdpa(impl, case, block):
+def test_online_softmax_attention_matches_torch_sdpa(impl, case, block, rng):
     T, S, start, H, KVH, d = CASES[case]
-    rng = np.random.default_rng()
     q, k, v = randn(rng, T, H, d, scale=2.0), randn(rng, S, KVH, d, scale=2.0), randn(rng, S, KVH, d)
     check(impl("online_softmax_attention")(q, k, v, start, block), torch_attention(q, k, v, start), (T, H * d))
 
 
 @pytest.mark.ch3
-def test_online_softmax_attention_rescales_when_the_max_grows(impl):
+def test_online_softmax_attention_rescales_when_the_max_grows(impl, rng):
     """Scores in the hundreds that rise from tile to tile: without the max subtracted exp() overflows,
     and without rescaling the old sums by exp(m_old - m_new) the early tiles weigh far too much."""
-    rng = np.random.default_rng()
     T, H, KVH, d, block = 29, 4, 2, 16, 6
     q = randn(rng, T, H, d)
     k = randn(rng, T, KVH, d) * np.linspace(1, 60, T, dtype=F32)[:, None, None]  # later keys: larger scores
@@ -58,10 +56,9 @@ def test_online_softmax_attention_rescales_when_the_max_grows(impl):
 
 @pytest.mark.ch3
 @pytest.mark.parametrize("block", [4, 7])
-def test_online_softmax_attention_survives_rows_with_no_visible_key_in_a_tile(impl, block):
+def test_online_softmax_attention_survives_rows_with_no_visible_key_in_a_tile(impl, block, rng):
     """Query 0 sees only key 0: every later tile is all -inf for it, and exp(-inf - -inf) would be NaN.
     Its output must be exactly v[0] of its K/V head."""
-    rng = np.random.default_rng()
     T, H, KVH, d = 19, 6, 2, 8
     q, k, v = randn(rng, T, H, d, scale=3.0), randn(rng, T, KVH, d, scale=3.0), randn(rng, T, KVH, d)
     out = impl("online_softmax_attention")(q, k, v, 0, block)
@@ -72,9 +69,8 @@ def test_online_softmax_attention_survives_rows_with_no_visible_key_in_a_tile(im
 
 @pytest.mark.ch3
 @pytest.mark.parametrize("block", [3, 8, 32])
-def test_online_softmax_attention_never_reads_keys_after_the_last_query(impl, block):
+def test_online_softmax_attention_never_reads_keys_after_the_last_query(impl, block, rng):
     """K and V hold 40 positions, the queries end at position 14: keys 15.. are NaN and must not be read."""
-    rng = np.random.default_rng()
     T, S, start, H, KVH, d = 5, 40, 10, 4, 4, 8
     q, k, v = randn(rng, T, H, d), randn(rng, S, KVH, d), randn(rng, S, KVH, d)
     ref = torch_attention(q, k[:start + T], v[:start + T], start)
@@ -83,9 +79,8 @@ def test_online_softmax_attention_never_reads_keys_after_the_last_query(impl, bl
 
 
 @pytest.mark.ch3
-def test_online_softmax_attention_does_not_depend_on_the_tile_size(impl):
+def test_online_softmax_attention_does_not_depend_on_the_tile_size(impl, rng):
     """Hand-derived: the tiles change the order of the sums, not the result."""
-    rng = np.random.default_rng()
     T, H, KVH, d = 31, 4, 2, 16
     q, k, v = randn(rng, T, H, d, scale=2.0), randn(rng, T, KVH, d, scale=2.0), randn(rng, T, KVH, d)
     f = impl("online_softmax_attention")
@@ -122,13 +117,12 @@ def compile_add_rms_norm(source: str):
 @pytest.mark.parametrize("T,hidden,scale", [(1, 64, 3.0), (5, 576, 3.0), (37, 1000, 3.0), (129, 2048, 3.0),
                                              (3, 3071, 1e-3)])  # 1e-3: eps dominates the mean square
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_rms_norm_kernel_source_matches_the_numpy_twin(kernel_source, T, hidden, with_delta, scale):
+def test_rms_norm_kernel_source_matches_the_numpy_twin(kernel_source, T, hidden, with_delta, scale, rng):
     import cupy as cp
 
     from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16
     from tinyvllm.backend import numpy_ops as twin
     kernel = compile_add_rms_norm(kernel_source("RMS_NORM_KERNEL_SOURCE"))
-    rng = np.random.default_rng()
     residual = rng.standard_normal((T, hidden), dtype=F32) * F32(scale)
     delta32, delta = bf16_pair(rng, (T, hidden), scale=scale) if with_delta else (None, None)
     weight32, weight = bf16_pair(rng, (hidden,))

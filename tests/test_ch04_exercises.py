@@ -50,16 +50,15 @@ def assert_close(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
 
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("preset, name, N, K", SHAPES, ids=[f"{p}-{n}" for p, n, _, _ in SHAPES])
-def test_gemm_params_for_every_layer_gemm(impl, preset, name, N, K, T):
-    x, w = random_pair(np.random.default_rng(), T, N, K)
+def test_gemm_params_for_every_layer_gemm(impl, preset, name, N, K, T, rng):
+    x, w = random_pair(rng, T, N, K)
     C = np.full(T * N, np.nan, np.float32)  # row-major Y (T, N), flat
     run(impl("gemm_params")(T, N, K), x, w, C)
     assert_close(C.reshape(T, N), x, w)
 
 
 @pytest.mark.parametrize("trial", range(12))
-def test_gemm_params_on_random_odd_shapes(impl, trial):
-    rng = np.random.default_rng()
+def test_gemm_params_on_random_odd_shapes(impl, trial, rng):
     T, N, K = (int(v) for v in rng.integers(1, 80, size=3) | 1)  # odd: no size hides a mistake
     x, w = random_pair(rng, T, N, K)
     C = np.full(T * N, np.nan, np.float32)
@@ -67,12 +66,12 @@ def test_gemm_params_on_random_odd_shapes(impl, trial):
     assert_close(C.reshape(T, N), x, w)
 
 
-def test_gemm_params_are_not_the_naive_call(impl):
+def test_gemm_params_are_not_the_naive_call(impl, rng):
     """T != N: asking for Y itself (m=T, n=N) would fail this, leaving Y^T's bytes in the buffer."""
     T, N, K = 3, 5, 4
     p = impl("gemm_params")(T, N, K)
     assert (p["m"], p["n"], p["k"]) == (N, T, K), "C is Y^T: N rows, T columns, summed over K"
-    x, w = random_pair(np.random.default_rng(), T, N, K)
+    x, w = random_pair(rng, T, N, K)
     C = np.full(T * N, np.nan, np.float32)
     run(p, x, w, C)
     assert_close(C.reshape(T, N), x, w)
@@ -86,8 +85,7 @@ def slice_run(p: dict, x: np.ndarray, w: np.ndarray, buffer: np.ndarray, first_c
 
 
 @pytest.mark.parametrize("trial", range(12))
-def test_gemm_params_into_slice_writes_only_the_slice(impl, trial):
-    rng = np.random.default_rng()
+def test_gemm_params_into_slice_writes_only_the_slice(impl, trial, rng):
     T, N, K = int(rng.integers(2, 60)), int(rng.integers(1, 60)), int(rng.integers(1, 60))
     before, after = int(rng.integers(0, 40)), int(rng.integers(1, 40))  # rows wider than the slice
     buffer = np.full((T, before + N + after), np.nan, np.float32)
@@ -99,10 +97,9 @@ def test_gemm_params_into_slice_writes_only_the_slice(impl, trial):
 
 
 @pytest.mark.parametrize("preset", ["smollm2-135m", "llama-3.2-1b"])
-def test_gemm_params_into_slice_builds_fused_qkv(impl, preset):
+def test_gemm_params_into_slice_builds_fused_qkv(impl, preset, rng):
     """Three GEMMs with q_proj, k_proj and v_proj land side by side in one (T, q + 2 kv) buffer."""
     c, T = PRESETS[preset], 7
-    rng = np.random.default_rng()
     x = rng.standard_normal((T, c.hidden_size), dtype=np.float32)
     ws = [rng.standard_normal((n, c.hidden_size), dtype=np.float32) for n in (c.q_size, c.kv_size, c.kv_size)]
     qkv = np.full((T, c.q_size + 2 * c.kv_size), np.nan, np.float32)
@@ -112,9 +109,9 @@ def test_gemm_params_into_slice_builds_fused_qkv(impl, preset):
     assert_close(qkv, x, np.concatenate(ws))
 
 
-def test_gemm_params_into_slice_of_the_whole_buffer(impl):
+def test_gemm_params_into_slice_of_the_whole_buffer(impl, rng):
     T, N, K = 9, 13, 11
-    x, w = random_pair(np.random.default_rng(), T, N, K)
+    x, w = random_pair(rng, T, N, K)
     C = np.full(T * N, np.nan, np.float32)
     run(impl("gemm_params_into_slice")(T, N, K, N), x, w, C)  # a slice as wide as the rows: plain Y
     assert_close(C.reshape(T, N), x, w)
@@ -123,8 +120,7 @@ def test_gemm_params_into_slice_of_the_whole_buffer(impl):
 # ---- Exercise 4.3: colmajor_index ---------------------------------------------------------
 
 @pytest.mark.parametrize("trial", range(6))
-def test_colmajor_index_matches_fortran_order(impl, trial):
-    rng = np.random.default_rng()
+def test_colmajor_index_matches_fortran_order(impl, trial, rng):
     rows, cols = (int(v) for v in rng.integers(1, 30, size=2))
     ld = rows + int(rng.integers(0, 5))
     storage = np.asfortranarray(rng.standard_normal((ld, cols)))  # NumPy's own column-major layout
@@ -136,9 +132,9 @@ def test_colmajor_index_matches_fortran_order(impl, trial):
             assert flat[index(i, j, ld)] == a[i, j], f"element ({i}, {j}) with ld={ld}"
 
 
-def test_colmajor_index_of_a_row_major_matrix_is_its_transpose(impl):
+def test_colmajor_index_of_a_row_major_matrix_is_its_transpose(impl, rng):
     """A row-major (r, c) matrix read column-major with ld = c is its transpose (c, r)."""
     r, c = 3, 5
-    m = np.random.default_rng().standard_normal((r, c))
+    m = rng.standard_normal((r, c))
     flat, index = m.reshape(-1), impl("colmajor_index")
     assert all(flat[index(j, i, c)] == m[i, j] for i in range(r) for j in range(c))

@@ -74,9 +74,8 @@ def check_rows(out, expected, seqs, tol=1e-5):
 
 @pytest.mark.ch5
 @pytest.mark.parametrize("shape", SHAPES)
-def test_decode_attention_matches_torch_sdpa(impl, shape):
+def test_decode_attention_matches_torch_sdpa(impl, shape, rng):
     heads, kv_heads, d = SHAPES[shape]
-    rng = np.random.default_rng()
     k_cache, v_cache, starts, seqs = shuffled_rows(rng, LENGTHS, kv_heads, d)
     qkv = new_queries(rng, len(seqs), heads, kv_heads, d)
     out = run(impl("decode_attention"), qkv, k_cache, v_cache, starts, seqs, heads)
@@ -85,11 +84,10 @@ def test_decode_attention_matches_torch_sdpa(impl, shape):
 
 @pytest.mark.ch5
 @pytest.mark.parametrize("shape", ["smollm2-gqa3-d64", "gqa8-d128"])
-def test_decode_attention_survives_large_scores(impl, shape):
+def test_decode_attention_survives_large_scores(impl, shape, rng):
     """Scores in the hundreds, growing along the sequence: exp() overflows float32 past 88 unless the max
     is subtracted, and a chunk merged without exp(m_c - M) weighs the wrong amount."""
     heads, kv_heads, d = SHAPES[shape]
-    rng = np.random.default_rng()
     k_cache, v_cache, starts, seqs = shuffled_rows(rng, [2, 17, 100, 1000], kv_heads, d)
     for (k, _), start in zip(seqs, starts):
         k *= np.linspace(1, 30, len(k), dtype=F32)[:, None, None]   # later keys: larger scores
@@ -100,10 +98,9 @@ def test_decode_attention_survives_large_scores(impl, shape):
 
 
 @pytest.mark.ch5
-def test_decode_attention_of_one_key_is_its_value(impl):
+def test_decode_attention_of_one_key_is_its_value(impl, rng):
     """Hand-derived: with one cached key the softmax is 1, so each query head gets its K/V head's v."""
     heads, kv_heads, d = SHAPES["smollm2-gqa3-d64"]
-    rng = np.random.default_rng()
     k_cache, v_cache, starts, seqs = shuffled_rows(rng, [1, 1, 1], kv_heads, d)
     qkv = new_queries(rng, 3, heads, kv_heads, d, scale=10.0)
     out = run(impl("decode_attention"), qkv, k_cache, v_cache, starts, seqs, heads)
@@ -113,10 +110,9 @@ def test_decode_attention_of_one_key_is_its_value(impl):
 
 
 @pytest.mark.ch5
-def test_decode_attention_does_not_depend_on_where_sequences_sit(impl):
+def test_decode_attention_does_not_depend_on_where_sequences_sit(impl, rng):
     """Hand-derived: the same keys in other slots, rows in another order, give the same rows."""
     heads, kv_heads, d = SHAPES["llama1b-gqa4-d64"]
-    rng = np.random.default_rng()
     lengths = [5, 16, 33, 300]
     k_cache, v_cache, starts, seqs = shuffled_rows(rng, lengths, kv_heads, d, spare=1)
     qkv = new_queries(rng, len(seqs), heads, kv_heads, d)
@@ -177,14 +173,14 @@ def bf16_on_gpu(a: np.ndarray):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("head_dim,group", list(KERNEL_INSTANCES))
-def test_decode_attention_kernel_source_matches_the_numpy_twin(kernel_source, head_dim, group):
+def test_decode_attention_kernel_source_matches_the_numpy_twin(kernel_source, head_dim, group, rng):
     import cupy as cp
 
     from tests.gpu_helpers import from_bf16, nan_bf16
     from tinyvllm.backend import numpy_ops as twin
     kernel = compile_decode_attention(kernel_source("DECODE_ATTENTION_KERNEL_SOURCE"), head_dim, group)
     kv_heads = KERNEL_INSTANCES[(head_dim, group)]
-    heads, rng = kv_heads * group, np.random.default_rng()
+    heads = kv_heads * group
     k32, v32, starts, seqs = shuffled_rows(rng, LENGTHS, kv_heads, head_dim)   # NaN in every unused slot
     (k_gpu, k32), (v_gpu, v32) = bf16_on_gpu(k32), bf16_on_gpu(v32)
     qkv_gpu, qkv32 = bf16_on_gpu(new_queries(rng, len(seqs), heads, kv_heads, head_dim))

@@ -242,17 +242,13 @@ def test_BlockManager_takes_and_gives_blocks_in_constant_time(impl):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+def tiny_model(tiny_model_dir):
     from tinyvllm.model import Model
-    from tinyvllm.models import synth_model
-    path = synth_model("smollm2-135m", tmp_path_factory.mktemp("tiny") / "m", seed=6, num_hidden_layers=2,
-                       hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       intermediate_size=128)
-    return Model(path, "cpu", max_tokens=128)
+    return Model(tiny_model_dir, "cpu", max_tokens=128)
 
 
 @pytest.mark.ch6
-def test_BlockManager_inside_the_paged_cache_decodes_like_the_contiguous_cache(impl, tiny_model, monkeypatch):
+def test_BlockManager_inside_the_paged_cache_decodes_like_the_contiguous_cache(impl, tiny_model, monkeypatch, rng):
     """Your class in the engine's PagedKVCache (as --impl student plugs it in): three sequences in a pool
     fragmented by a freed one, ten decode steps; the logits must equal chapter 5's contiguous cache's."""
     from tinyvllm.decode import decode_step
@@ -260,7 +256,7 @@ def test_BlockManager_inside_the_paged_cache_decodes_like_the_contiguous_cache(i
     from tinyvllm.paged_cache import PagedKVCache
     from tinyvllm.prefill import prefill
     monkeypatch.setattr(block_manager, "BlockManager", impl("BlockManager"))
-    model, rng = tiny_model, np.random.default_rng()
+    model = tiny_model
     prompts = [rng.integers(0, model.cfg.vocab_size, n).tolist() for n in (9, 16, 37)]
     paged = PagedKVCache(model.cfg, model.ops, num_blocks=7)  # exactly what the three need at the end
     paged.append(99, 20)                            # a sequence takes two blocks ...
@@ -305,9 +301,9 @@ def test_slot_mapping_hand_derived(impl, case):
 
 @pytest.mark.ch6
 @pytest.mark.parametrize("as_array", [False, True])
-def test_slot_mapping_matches_a_plain_loop_on_random_tables(impl, as_array):
+def test_slot_mapping_matches_a_plain_loop_on_random_tables(impl, as_array, rng):
     """Random tables (block ids up to 2^27 - 1: the last slot is 2^31 - 1, int32's largest), random windows."""
-    rng, f = np.random.default_rng(), impl("slot_mapping")
+    f = impl("slot_mapping")
     for _ in range(50):
         tokens = int(rng.integers(1, 2000))
         table = rng.choice(2**27, size=blocks_for(tokens), replace=False).tolist()

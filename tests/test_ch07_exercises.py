@@ -217,10 +217,9 @@ def test_admit_inside_schedule_gets_the_blocks_the_decodes_left(impl, monkeypatc
 # ---------- Exercise 7.2: choose_victim ----------
 
 @pytest.mark.ch7
-def test_choose_victim_is_the_youngest(impl):
+def test_choose_victim_is_the_youngest(impl, rng):
     """The last admitted, whatever the ids or lengths (a sequence admitted again after a preemption is young)."""
     choose = impl("choose_victim")
-    rng = np.random.default_rng()
     for n in (1, 2, 5, 17):
         running = [make_seq(int(i), int(rng.integers(1, 200)), int(rng.integers(0, 50)))
                    for i in rng.permutation(100)[:n]]
@@ -270,22 +269,14 @@ def test_choose_victim_in_schedule_preempts_youngest_first_until_it_fits(impl, m
 # ---------- both, inside the engine ----------
 
 @pytest.fixture(scope="module")
-def tiny_llm_path(tmp_path_factory):
-    from tinyvllm.models import synth_model
-    return synth_model("smollm2-135m", tmp_path_factory.mktemp("tiny") / "m", seed=7, num_hidden_layers=2,
-                       hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       intermediate_size=128)
-
-
-@pytest.fixture(scope="module")
-def workload(tiny_llm_path):
+def workload(tiny_model_dir):
     """Random requests (half greedy, half sampled with a seed) and each one's tokens alone, generated
     with the engine's own admit and choose_victim (not the code under test). The workload is seeded: with
     fresh draws one CI run saw a request differ from its run alone (not reproduced in 40 seeded reruns;
     a float32 rounding difference between a batch, or a recomputed prefix, and a single run can tip a
     draw). What this grader varies is the scheduling, which the functions under test decide."""
     from tinyvllm import LLM
-    alone, rng = LLM(str(tiny_llm_path), device="cpu", num_blocks=64), np.random.default_rng(0)
+    alone, rng = LLM(str(tiny_model_dir), device="cpu", num_blocks=64), np.random.default_rng(0)
     prompts = [rng.integers(0, alone.config.vocab_size, int(rng.integers(17, 60))).tolist() for _ in range(16)]
     # sampled rows keep their 5 likeliest tokens: over a random model's flat distribution, a float32
     # rounding difference between a batch of 6 and a batch of 1 could otherwise tip a draw to a neighbour
@@ -298,14 +289,14 @@ MAX_STEPS = 2000  # 16 requests of at most 40 tokens finish in a few hundred ste
 
 
 @pytest.mark.ch7
-def test_admit_and_choose_victim_in_the_engine_change_no_answer(impl, monkeypatch, tiny_llm_path, workload):
+def test_admit_and_choose_victim_in_the_engine_change_no_answer(impl, monkeypatch, tiny_model_dir, workload):
     """16 requests, 6 slots, a pool of 12 blocks (each request alone needs up to 7): the pool runs dry and
     sequences are preempted and recomputed. Every request's tokens must equal what it got alone."""
     from tinyvllm import LLM
     prompts, params, alone = workload
     monkeypatch.setattr(scheduler_module, "admit", impl("admit"))
     monkeypatch.setattr(scheduler_module, "choose_victim", impl("choose_victim"))
-    llm = LLM(str(tiny_llm_path), device="cpu", num_blocks=12, max_num_seqs=6, max_num_batched_tokens=128)
+    llm = LLM(str(tiny_model_dir), device="cpu", num_blocks=12, max_num_seqs=6, max_num_batched_tokens=128)
     engine = llm.llm_engine
     seqs = [llm.add_request(p, s) for p, s in zip(prompts, params)]
     for _ in range(MAX_STEPS):  # what LLM.generate does, with a limit: a wrong admit can stall the loop

@@ -88,15 +88,10 @@ def test_chapter_6_student_block_manager_has_what_chapter_7_calls():
     assert bm.admit(1, [5, 6, 7]) == 0
 
 
-def test_chapter_7_engine_runs_on_the_chapter_6_student_class(tmp_path, monkeypatch):
+def test_chapter_7_engine_runs_on_the_chapter_6_student_class(tiny_model_dir, monkeypatch, rng):
     """With 6.1 solved, the student class runs chapter 7's scheduler, preemptions included, token for token."""
-    import numpy as np
-
     from tinyvllm import LLM, SamplingParams, block_manager
-    from tinyvllm.models import synth_model
-    path = synth_model("smollm2-135m", tmp_path / "m", seed=3, num_hidden_layers=2, hidden_size=64,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
-    rng = np.random.default_rng()
+    path = tiny_model_dir
     prompts = [rng.integers(0, 1000, int(rng.integers(17, 40))).tolist() for _ in range(6)]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=30)
     alone = [LLM(str(path), device="cpu", num_blocks=64).generate([p], params)[0].token_ids for p in prompts]

@@ -43,8 +43,7 @@ def random_cache(rng, lengths, kv_heads, head_dim, spare=3):
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (9, 3, 64), (4, 4, 16), (8, 1, 128)])
-def test_decode_attention_twin_matches_torch_sdpa(heads, kv_heads, head_dim):
-    rng = np.random.default_rng()
+def test_decode_attention_twin_matches_torch_sdpa(heads, kv_heads, head_dim, rng):
     k_cache, v_cache, starts, seqs = random_cache(rng, LENGTHS, kv_heads, head_dim)
     n, q_cols, kv_cols = len(seqs), heads * head_dim, kv_heads * head_dim
     qkv = randn(rng, n, q_cols + 2 * kv_cols, scale=2.0)
@@ -59,8 +58,7 @@ def test_decode_attention_twin_matches_torch_sdpa(heads, kv_heads, head_dim):
     assert np.isnan(out[n]).all(), "wrote past the last row"
 
 
-def test_store_kv_puts_each_row_in_its_slot():
-    rng = np.random.default_rng()
+def test_store_kv_puts_each_row_in_its_slot(rng):
     heads, kv_heads, d, T = 6, 2, 8, 5
     qkv = randn(rng, T, (heads + 2 * kv_heads) * d)
     k_cache, v_cache = np.zeros((20, kv_heads, d), np.float32), np.zeros((20, kv_heads, d), np.float32)

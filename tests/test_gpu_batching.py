@@ -3,7 +3,8 @@ generation with graphs equals it without."""
 import numpy as np
 import pytest
 
-from tests.gpu_helpers import rel_error, requires_gpu
+from tests.gpu_helpers import requires_gpu
+from tests.numeric import rel_err
 from tests.test_gpu_decode import gpu_model  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -28,7 +29,7 @@ def test_graph_replay_equals_eager_decode(gpu_model, n):  # noqa: F811
         tokens = rng.integers(0, model.cfg.vocab_size, n).tolist()
         eager = cp.asnumpy(decode_step(model, tokens, eager_cache, list(range(n))))
         replay = cp.asnumpy(graphed(tokens, list(range(n))))
-        err = rel_error(replay, eager)
+        err = rel_err(replay, eager)
         assert err < 1e-3, f"n={n}, step {step}: {err:.2e}"
     assert graph_cache.lengths == eager_cache.lengths
 

@@ -3,9 +3,10 @@ GPU generation against transformers' teacher-forced logits, and sampling on the 
 import numpy as np
 import pytest
 
-from tests.gpu_helpers import NAN_BF16, bf16_pair, from_bf16, nan_bf16, rel_error, requires_gpu
+from tests.gpu_helpers import NAN_BF16, bf16_pair, from_bf16, nan_bf16, requires_gpu
+from tests.numeric import rel_err
 from tests.test_decode import LENGTHS, random_cache
-from tests.test_gpu_prefill import CONFIGS, save_random_llama
+from tests.test_gpu_prefill import CONFIGS, save_random_llama_with_tokenizer
 from tinyvllm.backend import numpy_ops as twin
 from tinyvllm.bf16 import float32_to_bf16_bits
 
@@ -23,11 +24,10 @@ def to_gpu_bf16(a: np.ndarray):
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (9, 3, 64), (8, 1, 128), (4, 4, 16),
                                                        (16, 8, 32), (24, 3, 128)])
-def test_decode_attention_kernel_matches_twin(heads, kv_heads, head_dim):
+def test_decode_attention_kernel_matches_twin(heads, kv_heads, head_dim, rng):
     import cupy as cp
 
     from tinyvllm.backend import cuda_ops
-    rng = np.random.default_rng()
     k32, v32, starts, seqs = random_cache(rng, LENGTHS, kv_heads, head_dim)   # NaN between the sequences
     (k_gpu, k32), (v_gpu, v32) = to_gpu_bf16(k32), to_gpu_bf16(v32)
     n, q_cols, kv_cols = len(seqs), heads * head_dim, kv_heads * head_dim
@@ -41,15 +41,14 @@ def test_decode_attention_kernel_matches_twin(heads, kv_heads, head_dim):
     assert np.isnan(got[n]).all(), "wrote past the last row"
     for b in range(n):
         assert not np.isnan(got[b]).any(), f"row {b} ({lengths[b]} keys): NaN (read outside its keys?)"
-        err = rel_error(got[b], expected[b])
+        err = rel_err(got[b], expected[b])
         assert err < 1e-2, f"row {b} ({lengths[b]} keys): relative error {err:.2e}"
 
 
-def test_store_kv_kernel_matches_twin():
+def test_store_kv_kernel_matches_twin(rng):
     import cupy as cp
 
     from tinyvllm.backend import cuda_ops
-    rng = np.random.default_rng()
     heads, kv_heads, d, T, slots_total = 32, 8, 64, 37, 200
     qkv32, qkv = bf16_pair(rng, (T, (heads + 2 * kv_heads) * d))
     slots = rng.choice(slots_total, T, replace=False).astype(np.int32)
@@ -63,14 +62,8 @@ def test_store_kv_kernel_matches_twin():
 
 @pytest.fixture(scope="module")
 def gpu_model(tmp_path_factory):
-    import shutil
-
     from tinyvllm.model import Model
-    from tinyvllm.models import llama3_tokenizer_dir
-    path = tmp_path_factory.mktemp("gqa4")
-    save_random_llama(path, CONFIGS["tiny-gqa4"], seed=3)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # LLM() wants a tokenizer beside the weights
-        shutil.copy(llama3_tokenizer_dir() / name, path / name)
+    path = save_random_llama_with_tokenizer(tmp_path_factory.mktemp("gqa4"), CONFIGS["tiny-gqa4"], seed=3)
     return path, Model(path, device="cuda", max_tokens=1024)
 
 
@@ -87,7 +80,7 @@ def test_teacher_forced_prefill_equals_prefill_plus_decode_step(gpu_model, t):
     cache = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=t + 1)
     prefill(model, ids[:t], cache=cache)
     step = cp.asnumpy(decode_step(model, [ids[t]], cache, [0])[0])
-    err = rel_error(step, full)
+    err = rel_err(step, full)
     print(f"t={t}: prefill vs prefill + decode: rel error {err:.2e}")
     assert err < 2e-2
 
@@ -109,7 +102,7 @@ def test_batched_decode_equals_single_sequence_decode(gpu_model):
     for s, p in enumerate(prompts):
         alone = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=len(p) + 1)
         prefill(model, p, cache=alone)
-        err = rel_error(together[s], cp.asnumpy(decode_step(model, [nxt[s]], alone, [0])[0]))
+        err = rel_err(together[s], cp.asnumpy(decode_step(model, [nxt[s]], alone, [0])[0]))
         assert err < 1e-2, f"sequence {s} ({lengths[s]} tokens): {err:.2e}"
 
 
@@ -135,13 +128,12 @@ def test_gpu_greedy_generation_follows_transformers(gpu_model):
     assert agree >= 0.9 and gap.max() < 0.1
 
 
-def test_gpu_sampling_matches_cpu_sampling():
+def test_gpu_sampling_matches_cpu_sampling(rng):
     """The same logits and seed pick the same token on both devices (one uniform number from the host)."""
     import cupy as cp
 
     from tinyvllm import SamplingParams
     from tinyvllm.sampling import sample
-    rng = np.random.default_rng()
     logits = (rng.standard_normal(128256) * 3).astype(np.float32)
     on_gpu = cp.asarray(logits)
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
@@ -155,12 +147,11 @@ def test_gpu_sampling_matches_cpu_sampling():
 @pytest.mark.parametrize("n", range(1, 9))
 @pytest.mark.parametrize("K, N, f32_out", [(2048, 3072, False), (8192, 2048, False), (576, 49152, True),
                                           (2048, 1000, True)])
-def test_gemv_kernel_matches_twin(n, K, N, f32_out):
+def test_gemv_kernel_matches_twin(n, K, N, f32_out, rng):
     """Decode's GEMMs (n <= 8 rows) go through kernels/gemv.cu; out is a column slice of a wider buffer."""
     import cupy as cp
 
     from tinyvllm.backend import cuda_ops
-    rng = np.random.default_rng()
     x32, x = bf16_pair(rng, (n, K))
     w32, w = bf16_pair(rng, (N, K), scale=K ** -0.5)
     wide = cp.full((n, N + 24), np.nan, np.float32) if f32_out else nan_bf16((n, N + 24))
@@ -169,5 +160,5 @@ def test_gemv_kernel_matches_twin(n, K, N, f32_out):
     assert np.isnan(got[:, :8]).all() and np.isnan(got[:, 8 + N:]).all(), "wrote outside its columns"
     expected = np.empty((n, N), np.float32)
     twin.gemm(x32, w32, expected)
-    err = rel_error(got[:, 8:8 + N], expected)
+    err = rel_err(got[:, 8:8 + N], expected)
     assert err < (1e-5 if f32_out else 1e-2), f"relative error {err:.2e}"

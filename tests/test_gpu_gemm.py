@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, rel_error, requires_gpu
+from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, requires_gpu
+from tests.numeric import rel_err
 from tinyvllm.gemm import OP_N, OP_T, gemm_colmajor
 from tinyvllm.models import PRESETS
 
@@ -22,7 +23,7 @@ def test_layer_gemm(name, T):
     w32, w = bf16_pair(rng, (N, K), scale=K ** -0.5)
     out = nan_bf16((T, N))
     gemm_cublas(x, w, out)
-    assert rel_error(from_bf16(out), x32 @ w32.T) < 1e-2
+    assert rel_err(from_bf16(out), x32 @ w32.T) < 1e-2
 
 
 def test_lm_head_gemm_fp32_out_and_column_slices():
@@ -34,12 +35,12 @@ def test_lm_head_gemm_fp32_out_and_column_slices():
     w32, w = bf16_pair(rng, (V, H), scale=H ** -0.5)
     logits = cp.full((3, V), np.nan, dtype=cp.float32)
     gemm_cublas(x, w, logits)
-    assert rel_error(cp.asnumpy(logits), x32 @ w32.T) < 1e-3
+    assert rel_err(cp.asnumpy(logits), x32 @ w32.T) < 1e-3
     wide = nan_bf16((5, 3 * 64))
     ws32, ws = bf16_pair(rng, (64, H))
     gemm_cublas(x, ws, wide[:3, 64:128])
     got = from_bf16(wide)
-    assert rel_error(got[:3, 64:128], x32 @ ws32.T) < 1e-2
+    assert rel_err(got[:3, 64:128], x32 @ ws32.T) < 1e-2
     assert np.isnan(got[:, :64]).all() and np.isnan(got[:, 128:]).all() and np.isnan(got[3:]).all()
 
 

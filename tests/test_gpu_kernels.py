@@ -3,7 +3,8 @@ odd sizes included, outputs filled with NaN before the launch. Run with `make te
 import numpy as np
 import pytest
 
-from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, rel_error, requires_gpu
+from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, requires_gpu
+from tests.numeric import rel_err
 from tinyvllm.backend import numpy_ops as twin
 from tinyvllm.model import rope_tables
 from tinyvllm.models import PRESETS
@@ -15,11 +16,6 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 def ops():
     from tinyvllm.backend import cuda_ops
     return cuda_ops
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
 
 
 @pytest.mark.parametrize("T,vocab,hidden", [(1, 1000, 64), (37, 49152, 576), (130, 5000, 2049)])
@@ -46,7 +42,7 @@ def test_add_rms_norm(ops, rng, T, hidden, with_delta):
     expected_out = np.empty((T, hidden), np.float32)
     twin.add_rms_norm(residual, delta32, weight32, expected_out, 1e-5)
     np.testing.assert_allclose(cp.asnumpy(res_gpu), residual, rtol=1e-6, atol=1e-6)
-    assert rel_error(from_bf16(out), expected_out) < 1e-2
+    assert rel_err(from_bf16(out), expected_out) < 1e-2
 
 
 @pytest.mark.parametrize("T,heads,kv_heads,head_dim", [(1, 4, 4, 64), (37, 9, 3, 64), (200, 32, 8, 64),
@@ -62,7 +58,7 @@ def test_rope(ops, rng, T, heads, kv_heads, head_dim):
     ops.rope(qkv, cp.asarray(positions), cp.asarray(cos), cp.asarray(sin), heads + kv_heads, head_dim)
     twin.rope(qkv32, positions, cos, sin, heads + kv_heads, head_dim)
     got = from_bf16(qkv)
-    assert rel_error(got, qkv32) < 1e-2
+    assert rel_err(got, qkv32) < 1e-2
     v = slice((heads + kv_heads) * head_dim, None)
     np.testing.assert_array_equal(got[:, v], qkv32[:, v])  # V columns are not rotated
 
@@ -78,7 +74,7 @@ def test_prefill_attention(ops, rng, T, heads, kv_heads, head_dim):
     twin.prefill_attention(qkv32, expected, heads, kv_heads, head_dim)
     got = from_bf16(out)
     assert not np.isnan(got).any()
-    assert rel_error(got, expected) < 1e-2
+    assert rel_err(got, expected) < 1e-2
     np.testing.assert_allclose(got[0], expected[0], rtol=2e-2, atol=2e-2)  # row 0 sees only key 0: = v_0
 
 
@@ -102,7 +98,7 @@ def test_swiglu(ops, rng, T, inter):
     ops.swiglu(gate_up, act)
     expected = np.empty((T, inter), np.float32)
     twin.swiglu(gate_up32, expected)
-    assert rel_error(from_bf16(act), expected) < 1e-2
+    assert rel_err(from_bf16(act), expected) < 1e-2
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 1000), (3, 49152), (2, 128256), (4, 1)])

@@ -3,7 +3,8 @@ decode step against the contiguous one, and pool sizing from free device memory.
 import numpy as np
 import pytest
 
-from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, rel_error, requires_gpu
+from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, requires_gpu
+from tests.numeric import rel_err
 from tests.test_gpu_decode import gpu_model, to_gpu_bf16  # noqa: F401  (gpu_model is a fixture)
 from tests.test_paged import LENGTHS, fragmented_pool
 from tinyvllm.backend import numpy_ops as twin
@@ -13,11 +14,10 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 
 @pytest.mark.parametrize("splits", [None, 1, 2, 16])  # None: the engine's choice; 16 leaves short rows' splits empty
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (9, 3, 64), (8, 1, 128), (16, 8, 32)])
-def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim, splits):
+def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim, splits, rng):
     import cupy as cp
 
     from tinyvllm.backend import cuda_ops
-    rng = np.random.default_rng()
     k32, v32, tables, seqs = fragmented_pool(rng, LENGTHS, kv_heads, head_dim)  # NaN in every unused slot
     (k_gpu, k32), (v_gpu, v32) = to_gpu_bf16(k32), to_gpu_bf16(v32)
     n, q_cols = len(seqs), heads * head_dim
@@ -31,7 +31,7 @@ def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim, splits):
     assert np.isnan(got[n]).all(), "wrote past the last row"
     for b in range(n):
         assert not np.isnan(got[b]).any(), f"row {b} ({lengths[b]} keys): NaN (read a slot it does not own?)"
-        assert rel_error(got[b], expected[b]) < 1e-2, f"row {b} ({lengths[b]} keys)"
+        assert rel_err(got[b], expected[b]) < 1e-2, f"row {b} ({lengths[b]} keys)"
 
 
 def test_paged_decode_step_equals_contiguous_decode_step(gpu_model):  # noqa: F811
@@ -57,7 +57,7 @@ def test_paged_decode_step_equals_contiguous_decode_step(gpu_model):  # noqa: F8
     for step in range(2):
         a = cp.asnumpy(decode_step(model, nxt, paged, list(range(5))))
         b = cp.asnumpy(decode_step(model, nxt, contiguous, list(range(5))))
-        assert rel_error(a, b) < 1e-3, f"step {step}"  # same kernels and inputs: only the slot lookup differs
+        assert rel_err(a, b) < 1e-3, f"step {step}"  # same kernels and inputs: only the slot lookup differs
 
 
 def test_pool_is_sized_from_free_device_memory(gpu_model):  # noqa: F811

@@ -3,7 +3,8 @@ created and saved by transformers itself (one with Llama 3.2 1B's real dimension
 import numpy as np
 import pytest
 
-from tests.gpu_helpers import rel_error, requires_gpu
+from tests.gpu_helpers import requires_gpu
+from tests.numeric import rel_err
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -41,6 +42,17 @@ def save_random_llama(path, dims: dict, seed: int = 0):
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
+def save_random_llama_with_tokenizer(path, dims: dict, seed: int = 0):
+    """save_random_llama, plus Llama 3's tokenizer files: what LLM() needs beside the weights."""
+    import shutil
+
+    from tinyvllm.models import llama3_tokenizer_dir
+    save_random_llama(path, dims, seed)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama3_tokenizer_dir() / name, path / name)
+    return path
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_prefill_matches_transformers(tmp_path, name):
     import cupy as cp
@@ -65,10 +77,10 @@ def test_prefill_matches_transformers(tmp_path, name):
     model = Model(tmp_path, device="cuda", max_tokens=1024)
     logits, kv = prefill(model, ids.tolist(), all_logits=True)
     got = cp.asnumpy(logits)
-    err = rel_error(got, expected)
+    err = rel_err(got, expected)
     agree = float((got.argmax(-1) == expected.argmax(-1)).mean())
     print(f"{name}: rel error {err:.2e}, argmax agreement {agree:.4f} over {T} positions; transformers in "
-          f"bf16: {rel_error(hf_bf16, expected):.2e}, {(hf_bf16.argmax(-1) == expected.argmax(-1)).mean():.4f}")
+          f"bf16: {rel_err(hf_bf16, expected):.2e}, {(hf_bf16.argmax(-1) == expected.argmax(-1)).mean():.4f}")
     assert err < 2e-2
     assert agree >= 0.99
     last, _ = prefill(model, ids.tolist())

@@ -123,8 +123,7 @@ def fragmented_pool(rng, lengths, kv_heads, head_dim, spare_blocks=5):
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (9, 3, 64), (8, 1, 128)])
-def test_paged_attention_twin_equals_contiguous_attention(heads, kv_heads, head_dim):
-    rng = np.random.default_rng()
+def test_paged_attention_twin_equals_contiguous_attention(heads, kv_heads, head_dim, rng):
     k_pool, v_pool, tables, seqs = fragmented_pool(rng, LENGTHS, kv_heads, head_dim)
     n, q_cols = len(seqs), heads * head_dim
     qkv = randn(rng, n, q_cols + 2 * kv_heads * head_dim, scale=2.0)
@@ -150,24 +149,34 @@ def smol(default_model_dir):
 
 
 def test_paged_decode_equals_contiguous_decode(smol):
-    """Three sequences through a pool whose blocks were fragmented by an earlier sequence."""
+    """Three sequences through a fragmented pool: 24 one-block sequences filled it and every other one
+    left, so the free blocks are 0, 2, 4, ... and each sequence's blocks are physically apart. Every slot
+    not written since is NaN, so reading a wrong slot poisons the logits."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, smol.cfg.vocab_size, n).tolist() for n in (15, 33, 70)]
     nexts = rng.integers(0, smol.cfg.vocab_size, (4, 3)).tolist()
-    paged = PagedKVCache(smol.cfg, smol.ops, num_blocks=20)
-    paged.append(99, 40)                      # a sequence takes blocks 0-2 ...
-    prefill(smol, prompts[0], cache=paged, seq=0)
-    paged.free(99)                            # ... and gives them back: later blocks come out of order
-    for s in (1, 2):
+    paged = PagedKVCache(smol.cfg, smol.ops, num_blocks=24)
+    for filler in range(24):
+        paged.append(100 + filler, BLOCK_SIZE)
+    for filler in range(0, 24, 2):            # the even blocks come back; the odd ones stay taken
+        paged.free(100 + filler)
+    assert sorted(paged.blocks.free_blocks) == list(range(0, 24, 2))
+    paged.k[:], paged.v[:] = np.nan, np.nan
+    for s in range(3):
         prefill(smol, prompts[s], cache=paged, seq=s)
     contiguous = ContiguousKVCache(smol.cfg, smol.ops, num_seqs=3, max_len=80)
     for s in range(3):
         prefill(smol, prompts[s], cache=contiguous, seq=s)
-    assert paged.blocks.tables[2] != sorted(paged.blocks.tables[2]) or paged.blocks.tables[1][0] > 0
+    tables = [paged.blocks.tables[s] for s in range(3)]
+    assert [len(t) for t in tables] == [1, 3, 5] and all(b % 2 == 0 for t in tables for b in t), tables
+    for table in tables[1:]:                  # logical neighbours are never physical neighbours
+        assert all(abs(b - a) > 1 for a, b in zip(table, table[1:])), table
     for step in nexts:
         a = decode_step(smol, step[:3], paged, [0, 1, 2])
         b = decode_step(smol, step[:3], contiguous, [0, 1, 2])
         assert rel_err(a, b) < 1e-6
+    first, second = paged.blocks.tables[0]    # sequence 0's token 16 opened a block away from its first
+    assert second % 2 == 0 and abs(second - first) > 1
     for s in range(3):
         for layer in (0, smol.cfg.num_hidden_layers - 1):
             for x, y in zip(paged.view(s, layer), contiguous.view(s, layer)):

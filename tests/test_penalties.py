@@ -13,7 +13,6 @@ import pytest
 
 import tinyvllm.engine
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.models import synth_model
 from tinyvllm.sampling import apply_penalties
 
 MAX_TOKENS = 12
@@ -37,11 +36,8 @@ def expected_greedy(row: np.ndarray, prompt: list[int], penalties: dict, n: int 
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = synth_model("smollm2-135m", tmp_path_factory.mktemp("tiny") / "m", seed=7, num_hidden_layers=2,
-                       hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       intermediate_size=128)
-    return LLM(str(path), device="cpu", num_blocks=64)
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), device="cpu", num_blocks=64)
 
 
 def designed_row(vocab: int, seed: int, shift: float) -> np.ndarray:

@@ -2,15 +2,12 @@
 import numpy as np
 import pytest
 
+from tests.numeric import rel_err
 from tinyvllm.config import load_config
 from tinyvllm.model import Model
 from tinyvllm.prefill import prefill
 from tinyvllm.reference import ReferenceModel
 from tinyvllm.weights import load_weights
-
-
-def rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +22,11 @@ def test_cpu_prefill_matches_reference(smol):
     cache = ref.new_cache(77)
     expected = ref.forward(ids, cache)
     logits, kv = prefill(model, ids, all_logits=True)
-    assert rel(logits, expected) < 1e-5
+    assert rel_err(logits, expected) < 1e-5
     last, _ = prefill(model, ids)
-    assert rel(last, expected[-1]) < 1e-5
+    assert rel_err(last, expected[-1]) < 1e-5
     for i, (k, v) in enumerate(kv):  # the K/V handed to the cache are the reference's, RoPE included
-        assert rel(k, cache.k[i, :77]) < 1e-5 and rel(v, cache.v[i, :77]) < 1e-5
+        assert rel_err(k, cache.k[i, :77]) < 1e-5 and rel_err(v, cache.v[i, :77]) < 1e-5
 
 
 def test_cpu_prefill_rejects_too_long_prompt(smol):

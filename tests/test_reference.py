@@ -17,6 +17,7 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
+from tests.numeric import rel_err
 from tinyvllm.config import load_config
 from tinyvllm.reference import ReferenceModel, rope_inv_freq
 from tinyvllm.tokenizer import load_tokenizer
@@ -30,12 +31,6 @@ CHATS = [
     "List five fruits and one fact about each.",
     "How do I reverse a list in Python? Show code.",
 ]
-
-
-def rel_error(a, b) -> float:
-    """||a - b|| / ||b||, in float64."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def load_reference(model_dir: Path) -> ReferenceModel:
@@ -96,7 +91,7 @@ def test_default_model_logits_match_transformers(default_ref, default_hf, chat_p
         ours, theirs = default_ref.forward(ids), hf_logits(default_hf, ids)
         assert ours.shape == theirs.shape == (len(ids), default_ref.cfg.vocab_size)
         assert ours.dtype == np.float32
-        errors.append(rel_error(ours, theirs))
+        errors.append(rel_err(ours, theirs))
     print("default model logits rel. errors:", ", ".join(f"{e:.2e}" for e in errors))
     assert max(errors) < 1e-4, errors
 
@@ -185,12 +180,12 @@ def test_tiny_config_is_read_like_transformers(tiny):
 def test_tiny_rope_frequencies_match_transformers(tiny):
     name, ours, theirs, _ = tiny
     hf_inv_freq = theirs.model.rotary_emb.inv_freq.double().numpy()
-    assert rel_error(rope_inv_freq(ours.cfg), hf_inv_freq) < 1e-6, name
+    assert rel_err(rope_inv_freq(ours.cfg), hf_inv_freq) < 1e-6, name
 
 
 def test_tiny_logits_match_transformers(tiny):
     name, ours, theirs, ids = tiny
-    err = rel_error(ours.forward(ids), hf_logits(theirs, ids))
+    err = rel_err(ours.forward(ids), hf_logits(theirs, ids))
     print(f"{name}: logits rel. error {err:.2e}")
     assert err < 1e-4, f"{name}: rel. error {err:.2e}"
 
@@ -204,7 +199,7 @@ def assert_prefill_equals_prefill_plus_decode(model: ReferenceModel, ids: list[i
     model.forward(ids[:t], cache, all_logits=False)
     step = model.forward(ids[t:t + 1], cache, all_logits=False)
     assert cache.length == t + 1
-    err = rel_error(step, full)
+    err = rel_err(step, full)
     assert err < 1e-5, f"t={t}: rel. error {err:.2e}"
     return err
 

@@ -67,8 +67,7 @@ def test_default_model_is_byte_identical_to_the_library(default_model_dir):
             assert np.array_equal(mine, ref.view(torch.int16).numpy().view(np.uint16)), name  # bf16 bits
 
 
-def test_file_written_by_the_library_reads_identically(tmp_path):
-    rng = np.random.default_rng()
+def test_file_written_by_the_library_reads_identically(tmp_path, rng):
     tensors = {"a.f16": random_torch(rng, "F16", (3, 5)), "b.f32": random_torch(rng, "F32", (7,)),
                "c.bf16": random_torch(rng, "BF16", (2, 3, 4)), "d.i64": random_torch(rng, "I64", (4, 1)),
                "e.scalar": random_torch(rng, "F32", ())}
@@ -82,8 +81,7 @@ def test_file_written_by_the_library_reads_identically(tmp_path):
     assert np.array_equal(ours.get("c.bf16"), tensors["c.bf16"].view(torch.int16).numpy().view(np.uint16))
 
 
-def test_file_written_by_us_is_read_by_the_library(tmp_path):
-    rng = np.random.default_rng()
+def test_file_written_by_us_is_read_by_the_library(tmp_path, rng):
     bf16 = rng.integers(0, 2**16, (5, 6), dtype=np.uint16)
     tensors = {"x.f16": ("F16", rng.standard_normal((4, 4)).astype(np.float16)),
                "x.f32": ("F32", rng.standard_normal(9).astype(np.float32)),
@@ -129,8 +127,7 @@ def test_random_files_round_trip_both_ways(specs, seed):
 
 # ---- corrupt files ----------------------------------------------------------------------------
 
-def small_file(path: Path) -> Path:
-    rng = np.random.default_rng()
+def small_file(path: Path, rng: np.random.Generator) -> Path:
     write_safetensors(path, {"w.first": ("F32", rng.standard_normal((4, 3)).astype(np.float32)),
                              "w.second": ("BF16", rng.integers(0, 2**16, (2, 8), dtype=np.uint16))})
     return path
@@ -166,9 +163,9 @@ CORRUPT = {  # name -> (how to corrupt the file, words the one-line message must
 
 
 @pytest.mark.parametrize("case", CORRUPT)
-def test_every_corruption_is_one_line_naming_the_file(tmp_path, case):
+def test_every_corruption_is_one_line_naming_the_file(tmp_path, case, rng):
     corrupt, words = CORRUPT[case]
-    path = small_file(tmp_path / f"{case}.safetensors")
+    path = small_file(tmp_path / f"{case}.safetensors", rng)
     corrupt(path)
     with pytest.raises(TinyVLLMError) as err:
         SafetensorsFile(path)
@@ -195,7 +192,8 @@ def tiny_checkpoint(model_dir: Path, shards: int = 1, drop: str | None = None, e
     shapes = {**expected_tensor_shapes(TINY), **({extra: (3,)} if extra else {})}
     if reshape:
         shapes[reshape] = (shapes[reshape][0] + 1, *shapes[reshape][1:])
-    tensors = {n: torch.randn(s).to(torch.bfloat16) for n, s in shapes.items() if n != drop}
+    weights = torch.Generator().manual_seed(0)  # the values do not matter here, only names and shapes
+    tensors = {n: torch.randn(s, generator=weights).to(torch.bfloat16) for n, s in shapes.items() if n != drop}
     if shards == 1:
         safetensors_torch.save_file(tensors, str(model_dir / "model.safetensors"))
         return model_dir

@@ -59,8 +59,11 @@ def carve(blob, regions: list[Region]) -> dict:
             for r in regions}
 
 
-def plan_buffers(cfg: LlamaConfig, max_tokens: int, max_seqs: int, dtype: str) -> list[Region]:
-    """Every activation buffer of one step of up to `max_tokens` tokens from up to `max_seqs` sequences."""
+def plan_buffers(cfg: LlamaConfig, max_tokens: int, dtype: str) -> list[Region]:
+    """Every activation buffer of one step of up to `max_tokens` tokens.
+
+    The logits are not among them: they are the step's result, which the caller keeps (to sample, to
+    compare) while the next step reuses these buffers, so each step returns them in a new array."""
     h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
     return lay_out([
         ("residual", (max_tokens, h), "f32"),              # x, carried from layer to layer: fp32 so 2 adds
@@ -71,5 +74,4 @@ def plan_buffers(cfg: LlamaConfig, max_tokens: int, max_seqs: int, dtype: str) -
         ("delta", (max_tokens, h), dtype),                 # o_proj / down_proj output, added to the residual
         ("gate_up", (max_tokens, 2 * cfg.intermediate_size), dtype),  # gate and up: one GEMM
         ("mlp_act", (max_tokens, cfg.intermediate_size), dtype),
-        ("logits", (max_seqs, cfg.vocab_size), "f32"),     # only the positions that sample
     ])

@@ -18,7 +18,7 @@ def describe(model: str, device: str, max_tokens: int, num_blocks: int | None = 
     cfg = load_config(model_dir)
     open_checkpoint(model_dir, cfg)  # validate the files, so info also answers "is my checkpoint ok?"
     dtype = "bf16" if device == "cuda" else "f32"
-    weights, buffers = plan_weights(cfg, dtype), plan_buffers(cfg, max_tokens, max_seqs=1, dtype=dtype)
+    weights, buffers = plan_weights(cfg, dtype), plan_buffers(cfg, max_tokens, dtype)
     by_kind = bytes_by_kind(weights)
     report = {"model_dir": str(model_dir), "device": device, "config": asdict(cfg),
               "weights": [asdict(r) for r in weights], "buffers": [asdict(r) for r in buffers],

@@ -7,6 +7,8 @@
     print(out[0].text)
 
 `generate` takes raw text (no chat template), `chat` applies the model's template, as in vLLM.
+`llm.close()`, or a `with LLM(...) as llm:` block, frees the model and its KV cache at once (on a GPU,
+memory that a later LLM in the same process, or another process, can then have).
 
 Every request goes through the engine loop (chapter 7): prompts are prefilled in batches (chapter 3)
 into the paged KV cache (chapter 6), and every running sequence decodes one token per step (chapter 5).
@@ -15,6 +17,7 @@ sample i with params.child(i), as vLLM's parallel sampling does.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -90,10 +93,33 @@ class LLM:
         self.llm_engine = Engine(self.engine, self.tokenizer, self.cache, set(self.stop_token_ids), max_num_seqs,
                                  max_num_batched_tokens, decode, self.max_model_len)
 
+    def close(self) -> None:
+        """Free the weights, the buffers, the KV cache pool and the CUDA graphs now; closing twice is harmless.
+
+        `del llm` frees them too, but on a GPU CuPy keeps freed memory in its pool for this process's next
+        arrays; close() also hands that back to the driver. Using the LLM afterwards raises TinyVLLMError."""
+        if self.llm_engine is None:
+            return
+        ops = self.engine.ops
+        self.engine = self.cache = self.llm_engine = None  # the only references to the model, pool and graphs
+        gc.collect()  # an array caught in a reference cycle goes only when the collector runs: run it now
+        ops.free_cached_memory()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.llm_engine is None:
+            raise TinyVLLMError("this LLM is closed (close() freed its model and KV cache); create a new LLM")
+
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Complete raw prompts (text, or token id lists) all together; outputs in input order."""
+        self._check_open()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -104,6 +130,7 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate the replies."""
+        self._check_open()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self.tokenizer.apply_chat_template(c) for c in conversations]
         return self._run_all([None] * len(ids), ids, sampling_params, use_tqdm)
@@ -136,6 +163,7 @@ class LLM:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
         """Queue one sample in the engine (params.n must be 1: use params.child(i) for each sample),
         the prompt checked first: an impossible one is refused before it starts."""
+        self._check_open()
         self._check_prompt(prompt_ids)
         return self.llm_engine.add_request(prompt_ids, params, stream)
 
@@ -146,11 +174,12 @@ class LLM:
         seq = self.add_request(prompt_ids, params)
         try:
             while seq.status is not Status.FINISHED:
+                self._check_open()  # close() between two chunks ends the stream
                 for s, text in self.llm_engine.step():
                     if s is seq and text:
                         yield text
         finally:
-            if seq.status is not Status.FINISHED:
+            if seq.status is not Status.FINISHED and self.llm_engine is not None:
                 self.llm_engine.abort(seq)
             if out is not None:
                 out.outputs[0], out.timings = _completion(0, seq), seq.metrics()

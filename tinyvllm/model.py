@@ -13,7 +13,7 @@ import numpy as np
 
 from tinyvllm.backend import load_backend
 from tinyvllm import buffers
-from tinyvllm.config import LlamaConfig, expected_tensor_shapes, load_config
+from tinyvllm.config import LlamaConfig, load_config
 from tinyvllm.reference import rope_inv_freq
 from tinyvllm.weights import open_checkpoint
 
@@ -83,7 +83,7 @@ class Model:
                                                        "down"))) for i in range(cfg.num_hidden_layers)]
         cos, sin = rope_tables(cfg, self.max_model_len)
         self.cos, self.sin = ops.to_device(cos), ops.to_device(sin)
-        self.buffer_regions = buffers.plan_buffers(cfg, self.max_tokens, max_seqs=1, dtype=dtype)
+        self.buffer_regions = buffers.plan_buffers(cfg, self.max_tokens, dtype)
         self.buffers = buffers.carve(ops.blob(buffers.blob_size(self.buffer_regions)),
                                     self.buffer_regions)
 
@@ -101,15 +101,3 @@ class Model:
                 for hf in hf_names:
                     self.weights[name][rows:rows + tensors[hf].shape[0]] = self.ops.upload_weight(tensors[hf])
                     rows += tensors[hf].shape[0]
-
-    def hf_views(self) -> dict:
-        """The HF-named tensors as row slices of the fused weights: no copy (the reference model reads these)."""
-        views, shapes = {}, expected_tensor_shapes(self.cfg)
-        for name, hf_names in self._sources().items():
-            if name in self.weights:
-                rows = 0
-                for hf in hf_names:
-                    n = shapes[hf][0]
-                    views[hf] = self.weights[name][rows:rows + n]
-                    rows += n
-        return views

@@ -32,8 +32,10 @@ def pool_blocks(cfg: LlamaConfig, ops, gpu_memory_utilization: float = 0.9,
         if not 0 < gpu_memory_utilization <= 1:
             raise TinyVLLMError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         free, total = ops.xp.cuda.runtime.memGetInfo()
-        pool = ops.xp.get_default_memory_pool()  # CuPy keeps freed blocks cached: they count as free here
-        budget = gpu_memory_utilization * total - (total - free - (pool.total_bytes() - pool.used_bytes()))
+        # CuPy keeps the memory of freed arrays (an LLM deleted earlier in this process) cached in its pool:
+        # the device counts it as used, but the arrays allocated next reuse it, so here it counts as free
+        free += ops.xp.get_default_memory_pool().free_bytes()
+        budget = gpu_memory_utilization * total - (total - free)
     else:
         budget = cpu_bytes
     blocks = int(budget // per_block)

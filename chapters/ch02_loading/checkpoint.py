@@ -144,7 +144,7 @@ def print_plan(model_dir: Path) -> None:
     """A compact `python -m tinyvllm info`: the two blobs a CPU run allocates."""
     cfg = load_config(model_dir)
     plan_w = weights.plan_weights(cfg, "f32")
-    plan_b = buffers.plan_buffers(cfg, MAX_TOKENS, max_seqs=1, dtype="f32")
+    plan_b = buffers.plan_buffers(cfg, MAX_TOKENS, "f32")
     mib = 2**20
     kinds = ", ".join(f"{k} {n / mib:.1f}" for k, n in bytes_by_kind(plan_w).items())
     print("\nmemory plan (CPU, f32; python -m tinyvllm info for the full table)")

@@ -159,9 +159,9 @@ def _spacings(x: np.ndarray):
 def _memory_rows():
     smol = load_config(resolve_model("default"))
     llama = PRESETS["llama-3.2-1b"]
-    return [("SmolLM2-135M, CPU (f32)", plan_weights(smol, "f32"), plan_buffers(smol, MAX_TOKENS, 1, "f32")),
-            ("SmolLM2-135M, GPU (bf16)", plan_weights(smol, "bf16"), plan_buffers(smol, MAX_TOKENS, 1, "bf16")),
-            ("Llama-3.2-1B, GPU (bf16)", plan_weights(llama, "bf16"), plan_buffers(llama, MAX_TOKENS, 1, "bf16"))]
+    return [("SmolLM2-135M, CPU (f32)", plan_weights(smol, "f32"), plan_buffers(smol, MAX_TOKENS, "f32")),
+            ("SmolLM2-135M, GPU (bf16)", plan_weights(smol, "bf16"), plan_buffers(smol, MAX_TOKENS, "bf16")),
+            ("Llama-3.2-1B, GPU (bf16)", plan_weights(llama, "bf16"), plan_buffers(llama, MAX_TOKENS, "bf16"))]
 
 
 def draw_memory_map() -> Figure:

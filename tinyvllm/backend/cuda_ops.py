@@ -44,6 +44,13 @@ def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
         ((N + 7) // 8,), (256,), (x, w, out, np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
 
 
+def free_cached_memory() -> None:
+    """Hand the memory CuPy caches for reuse back to the driver: a freed array's device memory stays in
+    CuPy's pool (and pinned host memory in its pinned pool), where no other process can have it."""
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
 def blob(nbytes: int) -> cp.ndarray:
     """One device allocation to carve named views from (CuPy's allocations are 256-byte aligned)."""
     return cp.empty(nbytes, dtype=cp.uint8)

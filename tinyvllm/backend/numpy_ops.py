@@ -14,6 +14,10 @@ xp = np
 DTYPE = np.float32  # activations and weights; the GPU stores bf16 bits here
 
 
+def free_cached_memory() -> None:
+    """Nothing to do: NumPy gives an array's memory back as soon as its last reference goes."""
+
+
 def blob(nbytes: int) -> np.ndarray:
     """One aligned allocation to carve named views from (NumPy alone only promises 16 bytes)."""
     from tinyvllm.buffers import aligned_empty
