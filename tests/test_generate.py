@@ -189,7 +189,7 @@ def test_n_samples_are_the_children_seed_plus_index(llm):
 
 
 def test_n_samples_next_to_single_requests(llm):
-    outs = llm.generate(["The sea is", "One, two,"], [SamplingParams(n=3, temperature=1.0, max_tokens=5),
+    outs = llm.generate(["The sea is", "One, two,"], [SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=11, ignore_eos=True),
                                                       SamplingParams(temperature=0, max_tokens=5)])
     assert [len(o.outputs) for o in outs] == [3, 1]
     assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for o in outs for c in o.outputs)

@@ -47,14 +47,16 @@ class Engine:
         # the last TRACE_STEPS steps: who prefilled, who decoded, who was preempted, free blocks (for plots)
         self.trace: deque[dict] = deque(maxlen=TRACE_STEPS)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True,
+                    detokenize: bool = True) -> Sequence:
         """Queue one sample of a request; stream=False decodes its text once at the end (cheaper with many
-        requests). A request of n samples is n calls, with params.child(0) ... params.child(n - 1)."""
+        requests), detokenize=False not at all (stop strings still need the text). A request of n samples
+        is n calls, with params.child(0) ... params.child(n - 1)."""
         if params.n != 1:
             raise TinyVLLMError(f"a sequence is one sample but params.n is {params.n}; add params.child(i) "
                                 "for each sample i, or use LLM.generate")
         seq = Sequence.create(next(self._ids), prompt_ids, params, self.max_model_len, self.stop_ids,
-                              self.tokenizer, incremental=stream)
+                              self.tokenizer, incremental=stream, detokenize=detokenize)
         self.scheduler.add(seq)
         return seq
 

@@ -137,7 +137,7 @@ class EngineCore:
         if command.after is not None and self.llm.enable_prefix_caching and self._prefilling(command.after):
             return self.deferred.append(command)
         try:   # the API side checked the request; anything raised here still fails this request only
-            seq = self.llm.add_request(command.prompt_ids, command.params, stream=False)
+            seq = self.llm.add_request(command.prompt_ids, command.params, stream=False, detokenize=False)
         except Exception as e:
             if not isinstance(e, TinyVLLMError):
                 log.exception("adding request %s failed", command.request_id)

@@ -33,7 +33,7 @@ from tinyvllm.model import Model
 from tinyvllm.models import resolve_model
 from tinyvllm.paged_cache import PagedKVCache, pool_blocks
 from tinyvllm.sampling import Logprob, SamplingParams
-from tinyvllm.sequence import Sequence, Status
+from tinyvllm.sequence import Sequence, Status, check_prompt
 from tinyvllm.tokenizer import load_tokenizer
 
 # Tokens the prefill buffers hold (float32 on the CPU: ~32 KB per token for SmolLM2; bf16 on the GPU).
@@ -160,12 +160,13 @@ class LLM:
             samples[k] += [self.add_request(ids[k], params[k].child(i), stream=False) for i in range(1, params[k].n)]
         return [k for k in later if k not in ready]
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True,
+                    detokenize: bool = True) -> Sequence:
         """Queue one sample in the engine (params.n must be 1: use params.child(i) for each sample),
         the prompt checked first: an impossible one is refused before it starts."""
         self._check_open()
         self._check_prompt(prompt_ids)
-        return self.llm_engine.add_request(prompt_ids, params, stream)
+        return self.llm_engine.add_request(prompt_ids, params, stream, detokenize)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                out: RequestOutput | None = None) -> Iterator[str]:
@@ -185,17 +186,7 @@ class LLM:
                 out.outputs[0], out.timings = _completion(0, seq), seq.metrics()
 
     def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise TinyVLLMError("the prompt is empty; give at least one token")
-        if len(ids) >= self.max_model_len:
-            raise TinyVLLMError(f"the prompt has {len(ids)} tokens but the context window is "
-                                f"{self.max_model_len}; shorten the prompt")
-        if len(ids) > self.engine.max_tokens:
-            raise TinyVLLMError(f"the prompt has {len(ids)} tokens; prefill on the {self.device} takes at most "
-                                f"{self.engine.max_tokens}; shorten the prompt")
-        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
-        if bad:
-            raise TinyVLLMError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        check_prompt(ids, self.max_model_len, self.engine.max_tokens, self.config.vocab_size, self.device)
 
 
 def _completion(index: int, seq: Sequence) -> CompletionOutput:

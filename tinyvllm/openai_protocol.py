@@ -15,7 +15,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from tinyvllm.errors import TinyVLLMError
 from tinyvllm.sampling import MAX_LOGPROBS, MAX_N, MIN_REPETITION_PENALTY, SamplingParams
 
 # Strict scalars: JSON's 1 is a number, "1" is not; NaN and infinities are not numbers either.
@@ -243,9 +242,3 @@ def chat_logprobs(token_ids: list[int], entries: list[dict], top_k: int) -> dict
 def error(message: str, type_: str = "invalid_request_error", param: str | None = None,
           code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
-    bad = next((i for i in ids if i >= vocab_size), None)
-    if bad is not None:
-        raise TinyVLLMError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")

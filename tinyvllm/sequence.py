@@ -10,8 +10,28 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from tinyvllm.errors import TinyVLLMError
 from tinyvllm.sampling import Logprob, SamplingParams, rng_for
 from tinyvllm.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class PromptTooLong(TinyVLLMError):
+    """A prompt past the context window or a step's prefill buffers (the server's context_length_exceeded)."""
+
+
+def check_prompt(ids: list[int], max_model_len: int, max_prompt_tokens: int, vocab_size: int, device: str) -> None:
+    """Refuse a prompt the engine cannot run, before it is queued: one line saying why."""
+    if not ids:
+        raise TinyVLLMError("the prompt is empty; give at least one token")
+    if len(ids) >= max_model_len:
+        raise PromptTooLong(f"the prompt has {len(ids)} tokens but the context window is {max_model_len}; "
+                            "shorten the prompt")
+    if len(ids) > max_prompt_tokens:
+        raise PromptTooLong(f"the prompt has {len(ids)} tokens; prefill on the {device} takes at most "
+                            f"{max_prompt_tokens}; shorten the prompt")
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise TinyVLLMError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 class Status(Enum):
@@ -41,18 +61,20 @@ class Sequence:
     preemptions: int = 0
     num_cached: int = 0                # tokens found in the prefix cache when it was last admitted
     incremental: bool = True           # text token by token (streaming, stop strings); else once, at the end
+    detokenize: bool = True            # False: no text at all (the server's API process decodes the ids)
 
     def __post_init__(self):
         self.rng = rng_for(self.params.seed)  # its own generator: a seed means the same tokens
 
     @classmethod
     def create(cls, seq_id: int, prompt_ids: list[int], params: SamplingParams, max_model_len: int,
-               stop_ids: set[int], tokenizer: Tokenizer, incremental: bool = True) -> Sequence:
+               stop_ids: set[int], tokenizer: Tokenizer, incremental: bool = True,
+               detokenize: bool = True) -> Sequence:
         room = max_model_len - len(prompt_ids)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else stop_ids)
         return cls(seq_id, list(prompt_ids), params, min(params.max_tokens or room, room), stops,
                    IncrementalDecoder(tokenizer), incremental=incremental or bool(params.stop),
-                   logprobs=None if params.logprobs is None else [])
+                   detokenize=detokenize, logprobs=None if params.logprobs is None else [])
 
     @property
     def token_ids(self) -> list[int]:
@@ -79,7 +101,7 @@ class Sequence:
             if token in self.stop_ids or len(self.output_ids) >= self.max_tokens:
                 ids = self.output_ids[:-1] if token in self.stop_ids else self.output_ids
                 reason = "stop" if token in self.stop_ids else "length"
-                return self._finish(reason, self.decoder.tokenizer.decode(ids), now)
+                return self._finish(reason, self.decoder.tokenizer.decode(ids) if self.detokenize else "", now)
             return ""
         if token in self.stop_ids:                     # a stop token ends the output and is not text
             return self._finish("stop", self.held + self.decoder.flush(), now)

@@ -36,6 +36,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from tinyvllm import openai_protocol as api
+from tinyvllm import sequence
 from tinyvllm.engine_core import EngineClient, EngineSettings, Report, Update
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.metrics import Metrics
@@ -338,18 +339,11 @@ def check_prompt(ids: list[int], max_tokens: int | None, info: dict) -> None:
     """Refuse what cannot fit in the context window, rather than quietly cutting the answer short."""
     window = info["max_model_len"]
     try:
-        api.check_prompt_ids(ids, info["vocab_size"])
+        sequence.check_prompt(ids, window, info["max_prompt_tokens"], info["vocab_size"], info["device"])
+    except sequence.PromptTooLong as e:
+        raise ApiError(400, str(e), param="prompt", code="context_length_exceeded") from None
     except TinyVLLMError as e:
         raise ApiError(400, str(e), param="prompt") from None
-    if not ids:
-        raise ApiError(400, "the prompt is empty; give at least one token", param="prompt")
-    if len(ids) >= window:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens but this server's context window is {window}; "
-                            "shorten the prompt", param="prompt", code="context_length_exceeded")
-    if len(ids) > info["max_prompt_tokens"]:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; prefill on the {info['device']} takes at most "
-                            f"{info['max_prompt_tokens']}; shorten the prompt", param="prompt",
-                       code="context_length_exceeded")
     if max_tokens and len(ids) + max_tokens > window:
         raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens asks for {max_tokens} more, past "
                             f"this server's context window of {window}; lower max_tokens (or leave it out: "
