@@ -425,6 +425,8 @@ def test_n_samples_share_the_prompts_blocks_with_prefix_caching(default_model_di
         assert wait_until(lambda: read_metric(srv, "vllm:prefix_cache_hits_total") == 2 * cached, 5), \
             "samples 1 and 2 should find sample 0's full prompt blocks in the cache"
         assert read_metric(srv, "vllm:prefix_cache_queries_total") == 3 * len(want.prompt_token_ids)
+        one = client.completions.create(model="default", prompt=prompt, n=2, **{**params, "max_tokens": 1})
+        assert [c.finish_reason for c in one.choices] == ["length", "length"], "sample 0 done in its first step"
     finally:
         srv.stop()
 

@@ -109,7 +109,7 @@ class EngineCore:
         busy = idle = 0.0                                          # seconds in steps, and waiting for work
         while True:
             updates: list[Update] = []
-            was_idle = not self.engine.has_work()
+            was_idle = not self.engine.has_work() and not self.deferred   # a sample 0 done at once frees its siblings
             start = time.perf_counter()
             while was_idle and not self.commands.poll(POLL_MS):   # idle: sleep until a command arrives
                 if os.getppid() != self.parent:                     # the API server is gone: so are we
