@@ -250,6 +250,7 @@ class EngineClient:
     def __post_init__(self):
         self._dir = tempfile.mkdtemp(prefix="tinyvllm-")
         self._context = zmq.Context()
+        self._context.setsockopt(zmq.LINGER, 0)   # never block this process's exit on an undelivered message
         self._commands, self._reports = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
         addresses = [f"ipc://{self._dir}/commands", f"ipc://{self._dir}/reports"]
         self._commands.bind(addresses[0])
