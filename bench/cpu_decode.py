@@ -35,9 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from bench.decode import weight_bytes_per_step  # noqa: E402
-from tinyvllm.decode import decode_step  # noqa: E402
-from tinyvllm.llm import LLM  # noqa: E402
-from tinyvllm.prefill import prefill  # noqa: E402
+from tinyvllm.engine.block_manager import plan_decode, plan_prefill  # noqa: E402
+from tinyvllm.entrypoints.llm import LLM  # noqa: E402
+from tinyvllm.model.decode import decode_batch  # noqa: E402
+from tinyvllm.model.prefill import prefill_batch  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 TARGETS = {"ratio_max": 0.7, "peak_rss_mb_max": 1500}  # decode ms/token vs transformers; CLI memory
@@ -92,13 +93,15 @@ class Tinyvllm:
         self.llm, self.ids, self.steps = llm, ids, steps
 
     def prefill(self) -> int:
-        if self.seq in self.llm.cache.lengths:  # each call starts a fresh sequence
-            self.llm.cache.free(self.seq)
-        logits, _ = prefill(self.llm.engine, self.ids, cache=self.llm.cache, seq=self.seq)
-        return int(np.argmax(logits))
+        blocks = self.llm.engine.scheduler.blocks  # the engine's own books and pool: what a request would use
+        if self.seq in blocks.lengths:  # each call starts a fresh sequence
+            blocks.free(self.seq)
+        step = plan_prefill(blocks, self.seq, self.ids)
+        return int(np.argmax(prefill_batch(self.llm.model, self.llm.engine.pool, [step])[0]))
 
     def step(self, token: int) -> int:
-        return int(np.argmax(decode_step(self.llm.engine, [token], self.llm.cache, [self.seq])[0]))
+        plan = plan_decode(self.llm.engine.scheduler.blocks, [self.seq], [token])
+        return int(np.argmax(decode_batch(self.llm.model, self.llm.engine.pool, plan)[0]))
 
 
 class Transformers:
@@ -169,7 +172,7 @@ def measure(args) -> dict:
         results = run_interleaved(engines, args.tokens, args.chunk, args.warmup, args.settle)
     report["machine"]["load_average_at_end"] = os.getloadavg()
 
-    cfg, weight_bytes = llm.config, weight_bytes_per_step(llm.engine)
+    cfg, weight_bytes = llm.model_config, weight_bytes_per_step(llm.model)
     floor_ms = 1e3 * weight_bytes / bandwidth
     for r in results.values():
         r["floor_over_median"] = round(floor_ms / r["decode_ms_per_token_median"], 3)  # 1.0 = at the limit

@@ -43,11 +43,11 @@ def tinyvllm_ms_per_token(model, context: int, steps: int) -> tuple[float, float
     its kernels run back to back (no launch gaps); that step's seconds per op."""
     import cupy as cp
 
-    from tinyvllm.decode import decode_step
-    from tinyvllm.kv_cache import ContiguousKVCache
-    from tinyvllm.op_timer import hold_gpu, timed_ops
-    from tinyvllm.prefill import prefill
-    from tinyvllm.sampling import SamplingParams, sample
+    from tinyvllm.engine.sampling import SamplingParams, sample
+    from tinyvllm.model.decode import decode_step
+    from tinyvllm.model.kv_pool import ContiguousKVCache
+    from tinyvllm.model.op_timer import hold_gpu, timed_ops
+    from tinyvllm.model.prefill import prefill
     greedy, rng = SamplingParams(temperature=0), np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, context).tolist()
 
@@ -109,11 +109,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     args = parser.parse_args()
-    from tinyvllm.model import Model
-    from tinyvllm.models import synth_model
+    from tinyvllm.formats.checkpoints import synth_model
+    from tinyvllm.model.model import Model
 
     model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
-    model = Model(model_dir, device="cuda", max_tokens=args.context)
+    model = Model(model_dir, device="cuda", max_step_tokens=args.context)
     bandwidth = copy_bandwidth()
     step_bytes = weight_bytes_per_step(model) + kv_bytes_per_step(model.cfg, args.context)
     floor_ms = 1e3 * step_bytes / bandwidth

@@ -27,7 +27,7 @@ def time_gpu(fn, repeats: int = 10, warmup: int = 3, queued: bool = False) -> fl
     GPU's alone, without the host's launch overhead (which dominates a kernel of a few microseconds)."""
     import cupy as cp
 
-    from tinyvllm.op_timer import hold_gpu
+    from tinyvllm.model.op_timer import hold_gpu
     for _ in range(warmup):
         fn()
     times = []
@@ -55,7 +55,8 @@ def copy_bandwidth() -> float:
 def bf16_gemm_rate(n: int = 8192) -> float:
     """FLOP/s of one n x n x n bf16 GEMM through the engine's own cuBLAS call: the compute roof."""
     import cupy as cp
-    from tinyvllm.gemm import gemm_cublas
+
+    from tinyvllm.model.gemm import gemm_cublas
     # random bf16 bits: the top halves of random float32s (zeros would flatter the tensor cores)
     x = (cp.random.standard_normal((n, n), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
     w = (cp.random.standard_normal((n, n), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)

@@ -32,8 +32,8 @@ def random_bf16(shape):
 def measure(batch: int, context: int, bandwidth: float) -> dict:
     import cupy as cp
 
-    from tinyvllm.backend import cuda_ops
-    from tinyvllm.block_manager import BLOCK_SIZE
+    from tinyvllm.engine.block_manager import BLOCK_SIZE
+    from tinyvllm.model.backend import cuda_ops
     tokens, blocks_per_seq = batch * context, context // BLOCK_SIZE
     qkv = random_bf16((batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM))
     out = cp.empty((batch, HEADS * HEAD_DIM), dtype=cp.uint16)

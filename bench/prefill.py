@@ -46,13 +46,13 @@ def main() -> None:
     parser.add_argument("--model", help="a Llama checkpoint dir (default: a synthetic Llama-3.2-1B)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
     args = parser.parse_args()
-    from tinyvllm.model import Model
-    from tinyvllm.models import synth_model
-    from tinyvllm.op_timer import timed_ops
-    from tinyvllm.prefill import prefill
+    from tinyvllm.formats.checkpoints import synth_model
+    from tinyvllm.model.model import Model
+    from tinyvllm.model.op_timer import timed_ops
+    from tinyvllm.model.prefill import prefill
 
     model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
-    model = Model(model_dir, device="cuda", max_tokens=max(args.lengths))
+    model = Model(model_dir, device="cuda", max_step_tokens=max(args.lengths))
     peak_flops, bandwidth = bf16_gemm_rate(), copy_bandwidth()
     rows, rng = [], np.random.default_rng(0)
     for T in args.lengths:

@@ -455,9 +455,9 @@ def main() -> None:
     # a session of its own and would otherwise outlive this process
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # the engine stays out of the client processes, which re-import this file
-    from tinyvllm.backend import resolve_device
-    from tinyvllm.models import resolve_model
-    from tinyvllm.tokenizer import load_tokenizer
+    from tinyvllm.formats.checkpoints import resolve_model
+    from tinyvllm.formats.tokenizer import load_tokenizer
+    from tinyvllm.model.backend import resolve_device
 
     load_at_start = os.getloadavg()
     device = resolve_device(args.device)

@@ -57,7 +57,7 @@ def run_static(llm, prompts, outputs, batch: int) -> tuple[float, int]:
 
 def batch1_ms_per_token(llm, context: int = 512, tokens: int = 256) -> float:
     from tinyvllm import SamplingParams
-    prompt = np.random.default_rng(1).integers(0, llm.config.vocab_size, context).tolist()
+    prompt = np.random.default_rng(1).integers(0, llm.model_config.vocab_size, context).tolist()
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up: the batch-1 graph is captured
     return 1e3 * llm.generate([prompt], params)[0].timings["time_per_output_token_s"]
@@ -110,11 +110,11 @@ def main() -> None:
     import cupy as cp
 
     from tinyvllm import LLM
-    from tinyvllm.models import synth_model
+    from tinyvllm.formats.checkpoints import synth_model
     model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
     bandwidth = copy_bandwidth()
     llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.6, max_num_seqs=256)
-    prompts, outputs = workload(args.requests, llm.config.vocab_size)
+    prompts, outputs = workload(args.requests, llm.model_config.vocab_size)
     # warm-up: kernels compile, and requests finishing one per step walk every batch size, so the graph
     # of every bucket is captured before the clock starts
     run_tinyvllm(llm, [p[:16] for p in prompts], list(range(1, len(prompts) + 1)))
@@ -122,14 +122,14 @@ def main() -> None:
     seconds, tokens = run_tinyvllm(llm, prompts, outputs)
     rows["tinyvllm"] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
     print(f"tinyvllm continuous (max_num_seqs 256): {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s")
-    small = LLM(str(model_dir), device="cuda", num_blocks=llm.cache.num_blocks // 4, max_num_seqs=64)
+    small = LLM(str(model_dir), device="cuda", num_blocks=llm.engine.pool.num_blocks // 4, max_num_seqs=64)
     run_tinyvllm(small, [p[:16] for p in prompts[:64]], list(range(1, 65)))
     for name, fn in [("continuous_64", lambda: run_tinyvllm(small, prompts, outputs)),
                      ("static_64", lambda: run_static(small, prompts, outputs, 64))]:
         seconds, tokens = fn()
         rows[name] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
         print(f"tinyvllm {name}: {tokens / seconds:,.0f} tok/s ({seconds:.2f} s)")
-    floor_ms = 1e3 * (weight_bytes_per_step(llm.engine) + kv_bytes_per_step(llm.config, 512 + 128)) / bandwidth
+    floor_ms = 1e3 * (weight_bytes_per_step(llm.model) + kv_bytes_per_step(llm.model_config, 512 + 128)) / bandwidth
     ms = batch1_ms_per_token(llm)
     rows["batch1_graphs"] = {"ms_per_token": ms, "floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms}
     print(f"batch-1 decode with CUDA graphs: {ms:.3f} ms/token, floor {floor_ms:.3f} ms -> {ms / floor_ms:.2f}x")

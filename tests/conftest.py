@@ -60,7 +60,7 @@ def impl(request):
 @pytest.fixture(scope="session")
 def default_model_dir():
     """The converted SmolLM2-135M-Instruct directory (converted once per $TINYVLLM_HOME)."""
-    from tinyvllm.models import default_model_dir as resolve
+    from tinyvllm.formats.checkpoints import default_model_dir as resolve
     return resolve()
 
 
@@ -68,12 +68,12 @@ def default_model_dir():
 def tiny_model_dir(tmp_path_factory):
     """A random-weight SmolLM2-shaped checkpoint (TINY_DIMS, seed 7), written once per session. Read-only:
     copy it before damaging it."""
-    from tinyvllm.models import synth_model
+    from tinyvllm.formats.checkpoints import synth_model
     return synth_model("smollm2-135m", tmp_path_factory.mktemp("tiny") / "smollm2", seed=7, **TINY_DIMS)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """The same, shaped like Llama 3.2 (its 128k vocabulary, llama3 RoPE scaling, tiktoken tokenizer), seed 3."""
-    from tinyvllm.models import synth_model
+    from tinyvllm.formats.checkpoints import synth_model
     return synth_model("llama-3.2-1b", tmp_path_factory.mktemp("tiny") / "llama", seed=3, **TINY_DIMS)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.backend import cuda_available
-from tinyvllm.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+from tinyvllm.formats.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+from tinyvllm.model.backend import cuda_available
 
 requires_gpu = pytest.mark.skipif(not cuda_available(), reason="needs an NVIDIA GPU and CuPy (make test-gpu)")
 NAN_BF16 = np.uint16(0x7FC0)

@@ -32,3 +32,19 @@ def torch_attention(q, k, v, start_pos):
         torch.from_numpy(q).transpose(0, 1)[None], torch.from_numpy(k).transpose(0, 1)[None],
         torch.from_numpy(v).transpose(0, 1)[None], attn_mask=allowed, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(T, -1).numpy()  # (H, T, d) -> (T, H*d)
+
+
+def random_cache(rng, lengths, kv_heads, head_dim, spare=3):
+    """A NaN-filled (slots, kv_heads, d) K and V with each sequence's keys at a random start; returns
+    (k_cache, v_cache, starts, per-sequence (k, v))."""
+    total = sum(lengths) + spare * (len(lengths) + 1)
+    k_cache = np.full((total, kv_heads, head_dim), np.nan, np.float32)
+    v_cache = k_cache.copy()
+    starts, start, seqs = [], spare, []
+    for n in rng.permutation(lengths):  # sequences in shuffled order: a row's start is not its index
+        k, v = randn(rng, n, kv_heads, head_dim, scale=2.0), randn(rng, n, kv_heads, head_dim)
+        k_cache[start:start + n], v_cache[start:start + n] = k, v
+        starts.append(start)
+        seqs.append((k, v))
+        start += n + spare
+    return k_cache, v_cache, np.array(starts, np.int32), seqs

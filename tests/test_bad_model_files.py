@@ -14,9 +14,9 @@ from typing import Callable
 
 import pytest
 
-from tinyvllm.cli import main
-from tinyvllm.config import config_from_dict
-from tinyvllm.models import llama3_tokenizer_dir
+from tinyvllm.entrypoints.cli import main
+from tinyvllm.formats.checkpoints import llama3_tokenizer_dir
+from tinyvllm.formats.config import config_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -211,7 +211,7 @@ def test_default_model_folder_without_its_weights(tmp_path, monkeypatch, capsys)
     """A converted default model whose model.safetensors was deleted: say so, do not convert for nothing."""
     monkeypatch.setenv("TINYVLLM_HOME", str(tmp_path))
     monkeypatch.delenv("TINYVLLM_DEFAULT_MODEL", raising=False)
-    monkeypatch.setattr("tinyvllm.models.convert_gguf", lambda gguf, out: (out / "model.safetensors").write_bytes(b""))
+    monkeypatch.setattr("tinyvllm.formats.checkpoints.convert_gguf", lambda gguf, out: (out / "model.safetensors").write_bytes(b""))
     final = tmp_path / "models" / "SmolLM2-135M-Instruct"
     final.mkdir(parents=True)
     (final / "config.json").write_text("{}")

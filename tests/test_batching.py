@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.sequence import Status
+from tinyvllm.engine.sequence import Status
 
 QUESTIONS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?", "Why is the sea salty?",
              "Write a haiku about autumn.", "List three prime numbers.", "What is Python?",
@@ -39,10 +39,10 @@ def alone(llm, prompts):
 def test_sixteen_prompts_together_equal_each_alone(llm, prompts, alone):
     together = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in together] == alone
-    engine = llm.llm_engine
+    engine = llm.engine
     steps = engine.trace_since(engine.steps - len(max(alone, key=len)) - 2)
     assert max(len(s["decode"]) for s in steps) == 16          # really batched: all 16 decoding at once
-    assert llm.cache.blocks.num_free == 400
+    assert llm.engine.scheduler.blocks.num_free == 400
 
 
 def test_preemption_in_a_tiny_pool_changes_no_answer(default_model_dir, prompts, alone):
@@ -50,7 +50,7 @@ def test_preemption_in_a_tiny_pool_changes_no_answer(default_model_dir, prompts,
     outs = tiny.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == alone
     assert sum(o.timings["preemptions"] for o in outs) > 0, "the pool was meant to run out"
-    assert tiny.cache.blocks.num_free == 24 and not tiny.cache.blocks.tables
+    assert tiny.engine.scheduler.blocks.num_free == 24 and not tiny.engine.scheduler.blocks.tables
 
 
 def test_prefix_caching_on_a_shared_system_prompt(default_model_dir):
@@ -62,7 +62,7 @@ def test_prefix_caching_on_a_shared_system_prompt(default_model_dir):
     first = cached.chat(convs[:1], GREEDY)                 # fills the cache with the system prompt's blocks
     rest = cached.chat(convs[1:], GREEDY)
     assert [o.token_ids for o in first + rest] == expected
-    blocks = cached.cache.blocks
+    blocks = cached.engine.scheduler.blocks
     assert blocks.hits >= 5 * (len(cached.tokenizer.apply_chat_template(convs[0][:1])) // 16)
     assert blocks.num_free == 200 and not blocks.tables     # cached blocks are evictable, so they count as free
 
@@ -72,14 +72,14 @@ def test_soak_thousand_requests_random_arrivals(tiny_llama_dir):
     """A tiny model, 1,000 requests with random prompt and output lengths arriving over the steps: every
     one completes with exactly its tokens, nobody is overtaken at admission, the pool ends full."""
     llm = LLM(tiny_llama_dir, device="cpu", num_blocks=120, max_num_seqs=48, max_num_batched_tokens=512)
-    engine, rng = llm.llm_engine, np.random.default_rng(0)
+    engine, rng = llm.engine, np.random.default_rng(0)
     arrivals = np.sort(rng.integers(0, 600, 1000))
     pending, seqs, admitted, preempted = list(range(1000)), [], [], 0
     step = 0
     while pending or engine.has_work():
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            prompt = rng.integers(0, llm.config.vocab_size, int(rng.integers(1, 200))).tolist()
+            prompt = rng.integers(0, llm.model_config.vocab_size, int(rng.integers(1, 200))).tolist()
             params = SamplingParams(temperature=float(rng.choice([0, 0.8])), max_tokens=int(rng.integers(1, 40)),
                                     ignore_eos=True, seed=i)
             seqs.append(llm.add_request(prompt, params))
@@ -89,7 +89,7 @@ def test_soak_thousand_requests_random_arrivals(tiny_llama_dir):
         step += 1
     assert all(s.status is Status.FINISHED and len(s.output_ids) == s.params.max_tokens for s in seqs)
     assert admitted == sorted(admitted), "a request was admitted before one that arrived earlier"
-    assert llm.cache.blocks.num_free == 120 and not llm.cache.blocks.tables
+    assert llm.engine.scheduler.blocks.num_free == 120 and not llm.engine.scheduler.blocks.tables
     assert preempted, "the soak was meant to preempt"
 
 
@@ -97,50 +97,45 @@ def test_graph_inputs_written_incrementally_equal_a_full_rewrite():
     """CUDA-graph decode keeps its host inputs between steps and rewrites only what changed; after
     random admissions, decodes, departures and preemptions (a freed sequence comes back with new
     blocks), every row must still hold exactly its sequence's table, slot, position and length."""
-    from tinyvllm.backend import numpy_ops
-    from tinyvllm.block_manager import BLOCK_SIZE, blocks_for
-    from tinyvllm.config import LlamaConfig
-    from tinyvllm.cuda_graphs import DecodeInputs, buckets
-    from tinyvllm.paged_cache import PagedKVCache
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    from tinyvllm.engine.block_manager import BLOCK_SIZE, BlockManager, blocks_for, plan_decode
+    from tinyvllm.model.cuda_graphs import DecodeInputs, buckets
     rng = np.random.default_rng(0)
-    cache = PagedKVCache(cfg, numpy_ops, num_blocks=4000)
-    host = DecodeInputs(rows=64, width=64, scratch_block=cache.scratch_block)
+    blocks, scratch = BlockManager(num_blocks=4000), 4000
+    host = DecodeInputs(rows=64, width=64, scratch_block=scratch)
     host.tables[:] = -7                                  # poison: a row never written shows up
     running: list[int] = []
     for step in range(300):
         for s in rng.choice(10_000, rng.integers(0, 3), replace=False).tolist():  # admissions
-            if s not in cache.lengths and len(running) < 60:
-                cache.append(s, int(rng.integers(1, 200)))
+            if s not in blocks.lengths and len(running) < 60:
+                blocks.allocate(s, int(rng.integers(1, 200)))
                 running.append(s)
         if running and rng.random() < 0.1:               # a departure or a preemption shifts the rows
             s = running.pop(int(rng.integers(len(running))))
-            cache.free(s)
+            blocks.free(s)
             if rng.random() < 0.5:                       # preempted: back with the same id, new blocks
-                cache.append(s, int(rng.integers(1, 200)))
+                blocks.allocate(s, int(rng.integers(1, 200)))
                 running.insert(int(rng.integers(len(running) + 1)), s)
         if not running:
             continue
-        before = {s: cache.lengths[s] for s in running}
+        before = {s: blocks.lengths[s] for s in running}
         tokens = rng.integers(0, 32, len(running)).tolist()
         size = next(b for b in buckets(64) if b >= len(running))
-        columns = host.fill(tokens, running, size, cache)
+        columns = host.fill(plan_decode(blocks, running, tokens), size)
         assert columns == max(blocks_for(before[s] + 1) for s in running)
         for row, s in enumerate(running):
-            table = cache.blocks.tables[s]
+            table = blocks.tables[s]
             assert host.tables[row, :len(table)].tolist() == table
             p = before[s]
             assert host.vectors[:, row].tolist() == [tokens[row], p, table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE,
                                                      p + 1]
         for row in range(len(running), size):            # padding rows: one token in the scratch block
-            assert host.tables[row, 0] == cache.scratch_block
-            assert host.vectors[:, row].tolist() == [0, 0, cache.scratch_block * BLOCK_SIZE, 1]
+            assert host.tables[row, 0] == scratch
+            assert host.vectors[:, row].tolist() == [0, 0, scratch * BLOCK_SIZE, 1]
 
 
 def test_a_scheduler_that_admits_nobody_is_an_error_not_a_hang(default_model_dir, monkeypatch):
     """A broken admit() (as a student's first attempt may be) must stop the loop with a clear message."""
-    from tinyvllm import scheduler
+    from tinyvllm.engine import scheduler
     from tinyvllm.errors import TinyVLLMError
     llm = LLM(default_model_dir, device="cpu", num_blocks=40)
     monkeypatch.setattr(scheduler, "admit", lambda sched, step, free: None)

@@ -16,16 +16,12 @@ from transformers import LlamaConfig as HFLlamaConfig  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from chapters.grading import exercises  # noqa: E402
-from tinyvllm import reference  # noqa: E402
-from tinyvllm.config import load_config  # noqa: E402
-from tinyvllm.models import PRESETS, synth_model  # noqa: E402
-from tinyvllm.weights import load_weights  # noqa: E402
-
 from tests import seeding  # noqa: E402
 from tests.numeric import F32, check, randn, rel_err, torch_attention  # noqa: E402,F401
-
-
-
+from tinyvllm import reference  # noqa: E402
+from tinyvllm.formats.checkpoints import PRESETS, synth_model  # noqa: E402
+from tinyvllm.formats.config import load_config  # noqa: E402
+from tinyvllm.model.weights import load_weights  # noqa: E402
 
 # ---------- Exercise 1.1: RMSNorm vs transformers' LlamaRMSNorm ----------
 

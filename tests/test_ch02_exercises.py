@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinyvllm.buffers import ALIGN, Region
 from tinyvllm.errors import TinyVLLMError
+from tinyvllm.model.buffers import ALIGN, Region
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -13,15 +13,12 @@ import numpy as np
 import pytest
 
 from chapters.grading import exercises
-from tinyvllm.backend import cuda_available
+from tinyvllm.model.backend import cuda_available
 
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parent.parent
 from tests.numeric import F32, check, randn, rel_err, torch_attention  # noqa: E402,F401
-
-
-
 
 # ---------- Exercise 3.1: online-softmax attention vs torch's scaled_dot_product_attention ----------
 
@@ -107,7 +104,9 @@ def kernel_source(request):
 
 def compile_add_rms_norm(source: str):
     import cupy as cp
-    module = cp.RawModule(code=source, options=("-std=c++17", f"-I{ROOT / 'tinyvllm' / 'kernels'}"))
+
+    from tinyvllm.model.backend.cuda_ops import NVRTC_OPTIONS  # the engine's include path and -D constants
+    module = cp.RawModule(code=source, options=NVRTC_OPTIONS)
     return module.get_function("add_rms_norm")
 
 
@@ -121,7 +120,7 @@ def test_rms_norm_kernel_source_matches_the_numpy_twin(kernel_source, T, hidden,
     import cupy as cp
 
     from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16
-    from tinyvllm.backend import numpy_ops as twin
+    from tinyvllm.model.backend import numpy_ops as twin
     kernel = compile_add_rms_norm(kernel_source("RMS_NORM_KERNEL_SOURCE"))
     residual = rng.standard_normal((T, hidden), dtype=F32) * F32(scale)
     delta32, delta = bf16_pair(rng, (T, hidden), scale=scale) if with_delta else (None, None)

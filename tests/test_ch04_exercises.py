@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.gemm import gemm_colmajor
-from tinyvllm.models import PRESETS
+from tinyvllm.formats.checkpoints import PRESETS
+from tinyvllm.model.gemm import gemm_colmajor
 
 pytestmark = pytest.mark.ch4
 

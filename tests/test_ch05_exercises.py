@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from chapters.grading import exercises
-from tests.numeric import F32, randn, rel_err, torch_attention
-from tests.test_decode import LENGTHS, random_cache
-from tinyvllm.backend import cuda_available
+from tests.numeric import F32, randn, random_cache, rel_err, torch_attention
+from tests.test_decode import LENGTHS
+from tinyvllm.model.backend import cuda_available
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,8 +154,10 @@ def kernel_source(request):
 def compile_decode_attention(source: str, head_dim: int, group: int):
     """The decode_attention<head_dim, group> instance of the source, compiled as cuda_ops.kernel does."""
     import cupy as cp
+
+    from tinyvllm.model.backend.cuda_ops import NVRTC_OPTIONS  # the engine's include path and -D constants
     name = f"decode_attention<{head_dim}, {group}>"
-    module = cp.RawModule(code=source, options=("-std=c++17", f"-I{ROOT / 'tinyvllm' / 'kernels'}"),
+    module = cp.RawModule(code=source, options=NVRTC_OPTIONS,
                           name_expressions=[name])
     return module.get_function(name)
 
@@ -164,7 +166,7 @@ def bf16_on_gpu(a: np.ndarray):
     """float32 (NaN included) -> (bf16 bits on the GPU, the float32 values those bits hold)."""
     import cupy as cp
 
-    from tinyvllm.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+    from tinyvllm.formats.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
     bits = float32_to_bf16_bits(a)
     return cp.asarray(bits), bf16_bits_to_float32(bits)
 
@@ -177,7 +179,7 @@ def test_decode_attention_kernel_source_matches_the_numpy_twin(kernel_source, he
     import cupy as cp
 
     from tests.gpu_helpers import from_bf16, nan_bf16
-    from tinyvllm.backend import numpy_ops as twin
+    from tinyvllm.model.backend import numpy_ops as twin
     kernel = compile_decode_attention(kernel_source("DECODE_ATTENTION_KERNEL_SOURCE"), head_dim, group)
     kv_heads = KERNEL_INSTANCES[(head_dim, group)]
     heads = kv_heads * group

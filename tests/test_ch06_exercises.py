@@ -5,8 +5,8 @@ every call against a shadow that the grader keeps itself: which tokens each sequ
 given. From those alone follow how many blocks must be free, when OutOfBlocks must be raised, and that no
 slot is handed out twice; the manager's own state (free list, tables, ref counts) must agree with them.
 Hand-derived cases pin down the order blocks are handed out in, ref counts, refusals that change nothing,
-and O(1) takes and gives (timed on a pool of 2^22 blocks). Finally the class runs inside the engine's
-PagedKVCache and must decode like chapter 5's contiguous cache. slot_mapping is checked on hand-derived
+and O(1) takes and gives (timed on a pool of 2^22 blocks). Finally the class plans the steps (the slots
+and tables a PagedKVPool is read through) and must decode like chapter 5's contiguous cache. slot_mapping is checked on hand-derived
 tables and against a plain Python loop on random ones.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.numeric import rel_err
-from tinyvllm import block_manager
-from tinyvllm.block_manager import BLOCK_SIZE, OutOfBlocks, blocks_for
+from tinyvllm.engine import block_manager
+from tinyvllm.engine.block_manager import BLOCK_SIZE, OutOfBlocks, blocks_for
 from tinyvllm.errors import TinyVLLMError
 
 
@@ -243,35 +243,35 @@ def test_BlockManager_takes_and_gives_blocks_in_constant_time(impl):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir):
-    from tinyvllm.model import Model
-    return Model(tiny_model_dir, "cpu", max_tokens=128)
+    from tinyvllm.model.model import Model
+    return Model(tiny_model_dir, "cpu", max_step_tokens=128)
 
 
 @pytest.mark.ch6
-def test_BlockManager_inside_the_paged_cache_decodes_like_the_contiguous_cache(impl, tiny_model, monkeypatch, rng):
-    """Your class in the engine's PagedKVCache (as --impl student plugs it in): three sequences in a pool
+def test_BlockManager_plans_steps_that_decode_like_the_contiguous_cache(impl, tiny_model, rng):
+    """Your class planning the steps (the slots and tables the model reads): three sequences in a pool
     fragmented by a freed one, ten decode steps; the logits must equal chapter 5's contiguous cache's."""
-    from tinyvllm.decode import decode_step
-    from tinyvllm.kv_cache import ContiguousKVCache
-    from tinyvllm.paged_cache import PagedKVCache
-    from tinyvllm.prefill import prefill
-    monkeypatch.setattr(block_manager, "BlockManager", impl("BlockManager"))
-    model = tiny_model
+    from tinyvllm.model.decode import decode_batch, decode_step
+    from tinyvllm.model.kv_pool import ContiguousKVCache, PagedKVPool
+    from tinyvllm.model.prefill import prefill, prefill_batch
+    model, blocks = tiny_model, impl("BlockManager")(7)  # exactly what the three need at the end
     prompts = [rng.integers(0, model.cfg.vocab_size, n).tolist() for n in (9, 16, 37)]
-    paged = PagedKVCache(model.cfg, model.ops, num_blocks=7)  # exactly what the three need at the end
-    paged.append(99, 20)                            # a sequence takes two blocks ...
-    prefill(model, prompts[0], cache=paged, seq=0)
-    paged.free(99)                                  # ... and gives them back: the last two blocks taken are these
+    paged = PagedKVPool(model.cfg, model.ops, num_blocks=7)
+    paged.k[:], paged.v[:] = np.nan, np.nan         # a slot read before it is written poisons the logits
+    blocks.allocate(99, 20)                         # a sequence takes two blocks ...
+    prefill_batch(model, paged, [block_manager.plan_prefill(blocks, 0, prompts[0])])
+    blocks.free(99)                                 # ... and gives them back: the last two blocks taken are these
     for s in (1, 2):
-        prefill(model, prompts[s], cache=paged, seq=s)
+        prefill_batch(model, paged, [block_manager.plan_prefill(blocks, s, prompts[s])])
     contiguous = ContiguousKVCache(model.cfg, model.ops, num_seqs=3, max_len=60)
     for s in range(3):
         prefill(model, prompts[s], cache=contiguous, seq=s)
     for _ in range(10):
         tokens = rng.integers(0, model.cfg.vocab_size, 3).tolist()
-        a, b = decode_step(model, tokens, paged, [0, 1, 2]), decode_step(model, tokens, contiguous, [0, 1, 2])
-        assert rel_err(a, b) < 1e-6, "the paged cache's logits differ from the contiguous cache's"
-    assert paged.lengths == {0: 19, 1: 26, 2: 47}
+        a = decode_batch(model, paged, block_manager.plan_decode(blocks, [0, 1, 2], tokens))
+        b = decode_step(model, tokens, contiguous, [0, 1, 2])
+        assert rel_err(a, b) < 1e-6, "the paged pool's logits differ from the contiguous cache's"
+    assert blocks.lengths == {0: 19, 1: 26, 2: 47}
 
 
 # ---------- Exercise 6.2: slot_mapping ----------

@@ -15,11 +15,11 @@ from collections import deque
 import numpy as np
 import pytest
 
-from tinyvllm import scheduler as scheduler_module
-from tinyvllm.block_manager import blocks_for
-from tinyvllm.sampling import SamplingParams
-from tinyvllm.scheduler import Scheduler, Step
-from tinyvllm.sequence import Sequence, Status
+from tinyvllm.engine import scheduler as scheduler_module
+from tinyvllm.engine.block_manager import blocks_for
+from tinyvllm.engine.sampling import SamplingParams
+from tinyvllm.engine.scheduler import Scheduler, Step
+from tinyvllm.engine.sequence import Sequence, Status
 
 
 class FakeBlocks:
@@ -58,7 +58,8 @@ def make_seq(seq_id: int, prompt: int, output: int = 0) -> Sequence:
 
 def make_scheduler(blocks: FakeBlocks, max_num_seqs: int = 8, budget: int = 1000, running=(), waiting=()):
     """A Scheduler with these (seq_id, prompt length[, output length]) running and waiting."""
-    sched = Scheduler(blocks, max_num_seqs, budget)
+    sched = Scheduler(1, max_num_seqs, budget)
+    sched.blocks = blocks                    # the fake stands in for the scheduler's own block manager
     for spec in running:
         seq = make_seq(*spec)
         seq.status = Status.RUNNING
@@ -204,12 +205,12 @@ def test_admit_with_nobody_waiting_does_nothing(impl):
 
 @pytest.mark.ch7
 def test_admit_inside_schedule_gets_the_blocks_the_decodes_left(impl, monkeypatch):
-    """Through Scheduler.schedule: two running sequences each open a block (3 free -> 1 left), so of two
+    """Through Scheduler.decide: two running sequences each open a block (3 free -> 1 left), so of two
     one-block prompts only the first starts."""
     monkeypatch.setattr(scheduler_module, "admit", impl("admit"))
     blocks = FakeBlocks(num_free=3, append={0: 1, 1: 1})
     sched = make_scheduler(blocks, running=[(0, 16), (1, 32)], waiting=[(5, 10), (6, 10)])
-    step = sched.schedule()
+    step = sched.decide()
     assert ids(step.decodes) == [0, 1] and ids(step.prefills) == [5] and step.preempted == []
     assert ids(sched.running) == [0, 1, 5] and ids(sched.waiting) == [6]
 
@@ -237,7 +238,7 @@ def test_choose_victim_in_schedule_preempts_the_youngest_and_requeues_it_first(i
     monkeypatch.setattr(scheduler_module, "choose_victim", impl("choose_victim"))
     blocks = FakeBlocks(num_free=1, append={0: 1, 1: 1, 2: 1}, held={0: 3, 1: 3, 2: 2})
     sched = make_scheduler(blocks, running=[(0, 48), (1, 32), (2, 16)], waiting=[(7, 5)])
-    step = sched.schedule()
+    step = sched.decide()
     assert ids(step.decodes) == [0, 1] and ids(step.preempted) == [2] and step.prefills == []
     assert ids(sched.running) == [0, 1] and ids(sched.waiting) == [2, 7] and blocks.freed == [2]
     victim = step.preempted[0]
@@ -250,7 +251,7 @@ def test_choose_victim_in_schedule_may_preempt_the_asker(impl, monkeypatch):
     monkeypatch.setattr(scheduler_module, "choose_victim", impl("choose_victim"))
     blocks = FakeBlocks(num_free=0, append={1: 1}, held={0: 2, 1: 2})
     sched = make_scheduler(blocks, running=[(0, 20), (1, 32)])
-    step = sched.schedule()
+    step = sched.decide()
     assert ids(step.decodes) == [0] and ids(step.preempted) == [1] and ids(sched.waiting) == [1]
 
 
@@ -261,7 +262,7 @@ def test_choose_victim_in_schedule_preempts_youngest_first_until_it_fits(impl, m
     monkeypatch.setattr(scheduler_module, "choose_victim", impl("choose_victim"))
     blocks = FakeBlocks(num_free=0, append={0: 1, 1: 1, 2: 1, 3: 1}, held={0: 1, 1: 1, 2: 1, 3: 1})
     sched = make_scheduler(blocks, running=[(0, 16), (1, 16), (2, 16), (3, 16)], waiting=[(9, 4)])
-    step = sched.schedule()
+    step = sched.decide()
     assert ids(step.decodes) == [0, 1] and ids(step.preempted) == [3, 2]
     assert ids(sched.waiting) == [2, 3, 9] and blocks.freed == [3, 2]
 
@@ -277,7 +278,7 @@ def workload(tiny_model_dir):
     draw). What this grader varies is the scheduling, which the functions under test decide."""
     from tinyvllm import LLM
     alone, rng = LLM(str(tiny_model_dir), device="cpu", num_blocks=64), np.random.default_rng(0)
-    prompts = [rng.integers(0, alone.config.vocab_size, int(rng.integers(17, 60))).tolist() for _ in range(16)]
+    prompts = [rng.integers(0, alone.model_config.vocab_size, int(rng.integers(17, 60))).tolist() for _ in range(16)]
     # sampled rows keep their 5 likeliest tokens: over a random model's flat distribution, a float32
     # rounding difference between a batch of 6 and a batch of 1 could otherwise tip a draw to a neighbour
     params = [SamplingParams(temperature=0.8 * (i % 2), top_k=5, seed=int(rng.integers(1 << 30)), ignore_eos=True,
@@ -297,7 +298,7 @@ def test_admit_and_choose_victim_in_the_engine_change_no_answer(impl, monkeypatc
     monkeypatch.setattr(scheduler_module, "admit", impl("admit"))
     monkeypatch.setattr(scheduler_module, "choose_victim", impl("choose_victim"))
     llm = LLM(str(tiny_model_dir), device="cpu", num_blocks=12, max_num_seqs=6, max_num_batched_tokens=128)
-    engine = llm.llm_engine
+    engine = llm.engine
     seqs = [llm.add_request(p, s) for p, s in zip(prompts, params)]
     for _ in range(MAX_STEPS):  # what LLM.generate does, with a limit: a wrong admit can stall the loop
         if not engine.has_work():
@@ -312,4 +313,4 @@ def test_admit_and_choose_victim_in_the_engine_change_no_answer(impl, monkeypatc
     first = [s for i, s in enumerate(first) if s not in first[:i]]
     assert first == sorted(first), "a request started before one that arrived earlier"
     assert max(len(t["prefill"]) + len(t["decode"]) for t in trace) <= 6, "more than max_num_seqs ran in a step"
-    assert llm.cache.blocks.num_free == 12 and not llm.cache.blocks.tables, "blocks were not all given back"
+    assert llm.engine.scheduler.blocks.num_free == 12 and not llm.engine.scheduler.blocks.tables, "blocks were not all given back"

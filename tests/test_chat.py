@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tinyvllm.chat import run_chat
+from tinyvllm.engine.sampling import SamplingParams
+from tinyvllm.entrypoints.chat import run_chat
+from tinyvllm.entrypoints.llm import LLM
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.llm import LLM
-from tinyvllm.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

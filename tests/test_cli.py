@@ -16,10 +16,10 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from tests.numeric import rel_err
-from tinyvllm.config import expected_tensor_shapes, load_config
-from tinyvllm.models import PRESETS
+from tinyvllm.formats.checkpoints import PRESETS
+from tinyvllm.formats.config import expected_tensor_shapes, load_config
+from tinyvllm.model.weights import load_weights
 from tinyvllm.reference import ReferenceModel
-from tinyvllm.weights import load_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What is the capital of France?"
@@ -64,7 +64,7 @@ def json_answer(default_model_dir) -> dict:
 
 
 def test_generate_json(json_answer, default_model_dir):
-    from tinyvllm.tokenizer import load_tokenizer
+    from tinyvllm.formats.tokenizer import load_tokenizer
     special = load_tokenizer(default_model_dir).special_tokens  # the ids come from the model's tokenizer
     assert set(json_answer) == {"text", "token_ids", "prompt_token_ids", "finish_reason", "timings"}
     assert "Paris" in json_answer["text"]
@@ -83,7 +83,7 @@ def test_generate_streams_text_to_stdout_and_stats_to_stderr(json_answer):
 
 
 def test_generate_raw_skips_the_chat_template(default_model_dir):
-    from tinyvllm.tokenizer import load_tokenizer
+    from tinyvllm.formats.tokenizer import load_tokenizer
     run = tinyvllm("generate", "The capital of France is", "--raw", "--json", "--max-tokens", "4")
     out = json.loads(run.stdout)
     assert out["prompt_token_ids"] == load_tokenizer(default_model_dir).encode("The capital of France is")

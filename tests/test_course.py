@@ -68,7 +68,7 @@ def test_every_exercise_has_its_reference_its_stub_and_a_grader_named_after_it(c
 
 def solved_student_block_manager() -> type:
     """The chapter 6 stub class with its exercise methods solved (by the engine's), the given ones kept."""
-    from tinyvllm import block_manager
+    from tinyvllm.engine import block_manager
     given = {"blocks_to_append", "blocks_to_admit", "admit"}
     engine = vars(block_manager.BlockManager)
     solved = {n: f for n, f in engine.items() if n not in given and (n == "__init__" or not n.startswith("__"))}
@@ -76,7 +76,7 @@ def solved_student_block_manager() -> type:
 
 
 def test_chapter_6_student_block_manager_has_what_chapter_7_calls():
-    from tinyvllm import block_manager
+    from tinyvllm.engine import block_manager
     public = {n for n in vars(block_manager.BlockManager) if not n.startswith("_")}
     student = set(vars(exercises(6).BlockManager))
     assert public <= student, f"missing from the stub class: {public - student}"
@@ -90,19 +90,20 @@ def test_chapter_6_student_block_manager_has_what_chapter_7_calls():
 
 def test_chapter_7_engine_runs_on_the_chapter_6_student_class(tiny_model_dir, monkeypatch, rng):
     """With 6.1 solved, the student class runs chapter 7's scheduler, preemptions included, token for token."""
-    from tinyvllm import LLM, SamplingParams, block_manager
+    from tinyvllm import LLM, SamplingParams
+    from tinyvllm.engine import block_manager
     path = tiny_model_dir
     prompts = [rng.integers(0, 1000, int(rng.integers(17, 40))).tolist() for _ in range(6)]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=30)
     alone = [LLM(str(path), device="cpu", num_blocks=64).generate([p], params)[0].token_ids for p in prompts]
     monkeypatch.setattr(block_manager, "BlockManager", solved_student_block_manager())
     llm = LLM(str(path), device="cpu", num_blocks=10, max_num_seqs=4)  # each needs up to 5 blocks: preemption
-    assert type(llm.cache.blocks).__name__ == "Solved"
+    assert type(llm.engine.scheduler.blocks).__name__ == "Solved"
     seqs = [llm.add_request(p, params) for p in prompts]
     for _ in range(1000):
-        if not llm.llm_engine.has_work():
+        if not llm.engine.has_work():
             break
-        llm.llm_engine.step()
+        llm.engine.step()
     assert sum(s.preemptions for s in seqs) > 0, "the pool was meant to run out"
     assert [s.output_ids for s in seqs] == alone
 

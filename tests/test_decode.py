@@ -13,33 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.numeric import randn, rel_err, torch_attention
+from tests.numeric import randn, random_cache, rel_err, torch_attention
 from tests.test_reference import CHATS, GREEDY_TOKENS, hf_greedy, load_hf, up_to_stop
-from tinyvllm.backend import numpy_ops
-from tinyvllm.decode import decode_step
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.kv_cache import ContiguousKVCache
-from tinyvllm.model import Model
-from tinyvllm.models import synth_model
-from tinyvllm.prefill import prefill
+from tinyvllm.formats.checkpoints import synth_model
+from tinyvllm.model.backend import numpy_ops
+from tinyvllm.model.decode import decode_step
+from tinyvllm.model.kv_pool import ContiguousKVCache
+from tinyvllm.model.model import Model
+from tinyvllm.model.prefill import prefill
 
 LENGTHS = [1, 15, 16, 17, 1000, 4097]
-
-
-def random_cache(rng, lengths, kv_heads, head_dim, spare=3):
-    """A NaN-filled (slots, kv_heads, d) K and V with each sequence's keys at a random start; returns
-    (k_cache, v_cache, starts, per-sequence (k, v))."""
-    total = sum(lengths) + spare * (len(lengths) + 1)
-    k_cache = np.full((total, kv_heads, head_dim), np.nan, np.float32)
-    v_cache = k_cache.copy()
-    starts, start, seqs = [], spare, []
-    for n in rng.permutation(lengths):  # sequences in shuffled order: a row's start is not its index
-        k, v = randn(rng, n, kv_heads, head_dim, scale=2.0), randn(rng, n, kv_heads, head_dim)
-        k_cache[start:start + n], v_cache[start:start + n] = k, v
-        starts.append(start)
-        seqs.append((k, v))
-        start += n + spare
-    return k_cache, v_cache, np.array(starts, np.int32), seqs
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (9, 3, 64), (4, 4, 16), (8, 1, 128)])
@@ -75,7 +59,7 @@ def test_store_kv_puts_each_row_in_its_slot(rng):
 
 @pytest.fixture(scope="module")
 def smol(default_model_dir):
-    return Model(default_model_dir, "cpu", max_tokens=512)
+    return Model(default_model_dir, "cpu", max_step_tokens=512)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +68,7 @@ def tiny_llama3(tmp_path_factory):
     out = synth_model("llama-3.2-1b", tmp_path_factory.mktemp("tiny") / "m", seed=4, num_hidden_layers=2,
                       hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                       intermediate_size=96)
-    return Model(out, "cpu", max_tokens=300)
+    return Model(out, "cpu", max_step_tokens=300)
 
 
 def prompt_ids(model: Model, n: int, seed: int) -> list[int]:

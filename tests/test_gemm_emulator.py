@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from tinyvllm.gemm import OP_N, OP_T, gemm_colmajor
-from tinyvllm.models import PRESETS
+from tinyvllm.formats.checkpoints import PRESETS
+from tinyvllm.model.gemm import OP_N, OP_T, gemm_colmajor
 
 SMOL = PRESETS["smollm2-135m"]
 SHAPES = {"qkv": (SMOL.q_size + 2 * SMOL.kv_size, SMOL.hidden_size), "o_proj": (SMOL.hidden_size, SMOL.q_size),

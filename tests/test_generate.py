@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-import tinyvllm.engine
+import tinyvllm.engine.engine
 from tinyvllm import LLM, SamplingParams, TinyVLLMError
-from tinyvllm.llm import CompletionOutput, RequestOutput
+from tinyvllm.entrypoints.llm import CompletionOutput, RequestOutput
 
 POEM = [{"role": "user", "content": "Write a poem about the sea."}]
 # Replies made of multi-byte characters that the model spells one UTF-8 fragment per token
@@ -84,7 +84,7 @@ def test_stream_holds_back_partial_utf8_of_forced_tokens(llm, monkeypatch):
     forced = llm.tokenizer.encode(target) + [llm.stop_token_ids[0]]
     assert any("\ufffd" in llm.tokenizer.decode([t]) for t in forced)  # some tokens hold partial characters
     script = iter(forced)
-    monkeypatch.setattr(tinyvllm.engine, "sample", lambda logits, params, rng: next(script))
+    monkeypatch.setattr(tinyvllm.engine.engine, "sample", lambda logits, params, rng: next(script))
     chunks, out = stream_text(llm, llm.tokenizer.encode("Hi"), SamplingParams(temperature=1.0, max_tokens=64))
     assert out.outputs[0].text == "".join(chunks) == target
     assert not [c for c in chunks if "\ufffd" in c]
@@ -193,7 +193,7 @@ def test_n_samples_next_to_single_requests(llm):
                                                       SamplingParams(temperature=0, max_tokens=5)])
     assert [len(o.outputs) for o in outs] == [3, 1]
     assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for o in outs for c in o.outputs)
-    assert llm.cache.blocks.num_free == llm.cache.num_blocks
+    assert llm.engine.scheduler.blocks.num_free == llm.engine.pool.num_blocks
 
 
 def test_n_samples_share_the_prompt_through_the_prefix_cache(default_model_dir, llm):
@@ -206,14 +206,14 @@ def test_n_samples_share_the_prompt_through_the_prefix_cache(default_model_dir, 
     params = SamplingParams(n=3, temperature=0.8, seed=77, max_tokens=6, ignore_eos=True)
     cached = LLM(default_model_dir, device="cpu", num_blocks=64, enable_prefix_caching=True)
     [out] = cached.chat(chat, params)
-    assert cached.cache.blocks.hits == 2 * prompt_blocks
+    assert cached.engine.scheduler.blocks.hits == 2 * prompt_blocks
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in llm.chat(chat, params)[0].outputs]
 
 
 def test_stream_and_add_request_take_one_sample(llm):
     with pytest.raises(TinyVLLMError, match="child"):
         next(llm.stream([1, 2, 3], SamplingParams(n=2, temperature=1.0)))
-    assert not llm.llm_engine.has_work()
+    assert not llm.engine.has_work()
 
 
 # ---------------------------------------------------------------- one request's failure is its own
@@ -249,26 +249,26 @@ def test_a_failure_in_one_sequence_fails_it_alone(llm, eight_requests, monkeypat
         return wrapped
 
     if fault == "sample":
-        real_sample = tinyvllm.engine.sample
+        real_sample = tinyvllm.engine.engine.sample
         faulty = third_call_fails(real_sample)
-        monkeypatch.setattr(tinyvllm.engine, "sample",
+        monkeypatch.setattr(tinyvllm.engine.engine, "sample",
                             lambda logits, p, rng: faulty(logits, p, rng) if p.seed == 100 + bad else
                             real_sample(logits, p, rng))
     elif fault == "logprobs":
-        monkeypatch.setattr(tinyvllm.engine, "raw_logprobs", third_call_fails(tinyvllm.engine.raw_logprobs))
+        monkeypatch.setattr(tinyvllm.engine.engine, "raw_logprobs", third_call_fails(tinyvllm.engine.engine.raw_logprobs))
     seqs = [llm.add_request(p, s) for p, s in zip(prompts, params)]
     if fault == "append":
         seqs[bad].append = third_call_fails(seqs[bad].append)
-    with caplog.at_level("ERROR", logger="tinyvllm.engine"):
-        while llm.llm_engine.has_work():
-            llm.llm_engine.step()
+    with caplog.at_level("ERROR", logger="tinyvllm.engine.engine"):
+        while llm.engine.has_work():
+            llm.engine.step()
     assert seqs[bad].finish_reason == "error" and seqs[bad].error == "RuntimeError: injected fault"
     assert seqs[bad].output_ids == expected[bad][:2]
     for i, seq in enumerate(seqs):
         if i != bad:
             assert seq.output_ids == expected[i] and seq.finish_reason == "length", f"request {i} (seed {100 + i})"
-    assert llm.cache.blocks.num_free == llm.cache.num_blocks and not llm.cache.blocks.tables
-    [record] = [r for r in caplog.records if r.name == "tinyvllm.engine"]
+    assert llm.engine.scheduler.blocks.num_free == llm.engine.pool.num_blocks and not llm.engine.scheduler.blocks.tables
+    [record] = [r for r in caplog.records if r.name == "tinyvllm.engine.engine"]
     assert record.exc_info and f"sequence {seqs[bad].seq_id}" in record.getMessage()
 
 
@@ -279,13 +279,13 @@ def test_max_model_len_is_what_the_pool_holds(default_model_dir, caplog):
     request without max_tokens runs to it instead of being refused."""
     with caplog.at_level("INFO", logger="tinyvllm"):
         small = LLM(default_model_dir, device="cpu", num_blocks=5)
-    assert small.max_model_len == small.llm_engine.max_model_len == 80
+    assert small.max_model_len == small.engine.max_model_len == 80
     assert [r.levelname for r in caplog.records if "max_model_len" in r.getMessage()] == ["INFO"]
     prompt = small.tokenizer.apply_chat_template(POEM)
     for max_tokens in (None, 1000):
         [out] = small.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         assert len(prompt) + len(out.token_ids) == 80 and out.outputs[0].finish_reason == "length"
-    assert small.cache.blocks.num_free == 5
+    assert small.engine.scheduler.blocks.num_free == 5
     with pytest.raises(TinyVLLMError, match="context window is 80"):
         small.generate([[5] * 80], SamplingParams(max_tokens=1))
 
@@ -314,5 +314,6 @@ def test_cli_chat_takes_a_negative_seed(default_model_dir):
     (["--seed", "18446744073709551616"], ["seed"]), (["--seed", "1.5"], ["--seed"]),
 ])
 def test_cli_bad_seed_or_temperature_is_one_line(command, flags, words):
-    from tests.test_cli import assert_user_error, tinyvllm as cli
+    from tests.test_cli import assert_user_error
+    from tests.test_cli import tinyvllm as cli
     assert_user_error(cli(command, *(["hi"] if command == "generate" else []), *flags, check=False), *words)

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from tests.gpu_helpers import NAN_BF16, bf16_pair, from_bf16, nan_bf16, requires_gpu
-from tests.numeric import rel_err
-from tests.test_decode import LENGTHS, random_cache
+from tests.numeric import random_cache, rel_err
+from tests.test_decode import LENGTHS
 from tests.test_gpu_prefill import CONFIGS, save_random_llama_with_tokenizer
-from tinyvllm.backend import numpy_ops as twin
-from tinyvllm.bf16 import float32_to_bf16_bits
+from tinyvllm.formats.bf16 import float32_to_bf16_bits
+from tinyvllm.model.backend import numpy_ops as twin
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -17,7 +17,7 @@ def to_gpu_bf16(a: np.ndarray):
     """float32 (NaN included) -> bf16 bits on the GPU, and the float32 values the GPU really holds."""
     import cupy as cp
 
-    from tinyvllm.bf16 import bf16_bits_to_float32
+    from tinyvllm.formats.bf16 import bf16_bits_to_float32
     bits = float32_to_bf16_bits(a)
     return cp.asarray(bits), bf16_bits_to_float32(bits)
 
@@ -27,7 +27,7 @@ def to_gpu_bf16(a: np.ndarray):
 def test_decode_attention_kernel_matches_twin(heads, kv_heads, head_dim, rng):
     import cupy as cp
 
-    from tinyvllm.backend import cuda_ops
+    from tinyvllm.model.backend import cuda_ops
     k32, v32, starts, seqs = random_cache(rng, LENGTHS, kv_heads, head_dim)   # NaN between the sequences
     (k_gpu, k32), (v_gpu, v32) = to_gpu_bf16(k32), to_gpu_bf16(v32)
     n, q_cols, kv_cols = len(seqs), heads * head_dim, kv_heads * head_dim
@@ -48,7 +48,7 @@ def test_decode_attention_kernel_matches_twin(heads, kv_heads, head_dim, rng):
 def test_store_kv_kernel_matches_twin(rng):
     import cupy as cp
 
-    from tinyvllm.backend import cuda_ops
+    from tinyvllm.model.backend import cuda_ops
     heads, kv_heads, d, T, slots_total = 32, 8, 64, 37, 200
     qkv32, qkv = bf16_pair(rng, (T, (heads + 2 * kv_heads) * d))
     slots = rng.choice(slots_total, T, replace=False).astype(np.int32)
@@ -62,18 +62,18 @@ def test_store_kv_kernel_matches_twin(rng):
 
 @pytest.fixture(scope="module")
 def gpu_model(tmp_path_factory):
-    from tinyvllm.model import Model
+    from tinyvllm.model.model import Model
     path = save_random_llama_with_tokenizer(tmp_path_factory.mktemp("gqa4"), CONFIGS["tiny-gqa4"], seed=3)
-    return path, Model(path, device="cuda", max_tokens=1024)
+    return path, Model(path, device="cuda", max_step_tokens=1024)
 
 
 @pytest.mark.parametrize("t", [1, 16, 17, 300, 1000])
 def test_teacher_forced_prefill_equals_prefill_plus_decode_step(gpu_model, t):
     import cupy as cp
 
-    from tinyvllm.decode import decode_step
-    from tinyvllm.kv_cache import ContiguousKVCache
-    from tinyvllm.prefill import prefill
+    from tinyvllm.model.decode import decode_step
+    from tinyvllm.model.kv_pool import ContiguousKVCache
+    from tinyvllm.model.prefill import prefill
     _, model = gpu_model
     ids = np.random.default_rng(t).integers(0, model.cfg.vocab_size, t + 1).tolist()
     full = cp.asnumpy(prefill(model, ids)[0])
@@ -88,9 +88,9 @@ def test_teacher_forced_prefill_equals_prefill_plus_decode_step(gpu_model, t):
 def test_batched_decode_equals_single_sequence_decode(gpu_model):
     import cupy as cp
 
-    from tinyvllm.decode import decode_step
-    from tinyvllm.kv_cache import ContiguousKVCache
-    from tinyvllm.prefill import prefill
+    from tinyvllm.model.decode import decode_step
+    from tinyvllm.model.kv_pool import ContiguousKVCache
+    from tinyvllm.model.prefill import prefill
     _, model = gpu_model
     lengths, rng = [5, 300, 64, 17, 1000, 1], np.random.default_rng(0)
     prompts = [rng.integers(0, model.cfg.vocab_size, n).tolist() for n in lengths]
@@ -115,7 +115,7 @@ def test_gpu_greedy_generation_follows_transformers(gpu_model):
     from tinyvllm import LLM, SamplingParams
     path, _ = gpu_model
     llm = LLM(str(path), device="cuda", num_blocks=64)
-    prompt = np.random.default_rng(7).integers(0, llm.config.vocab_size, 200).tolist()
+    prompt = np.random.default_rng(7).integers(0, llm.model_config.vocab_size, 200).tolist()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0]
     assert len(out.token_ids) == 48
     hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).cuda().eval()
@@ -133,7 +133,7 @@ def test_gpu_sampling_matches_cpu_sampling(rng):
     import cupy as cp
 
     from tinyvllm import SamplingParams
-    from tinyvllm.sampling import sample
+    from tinyvllm.engine.sampling import sample
     logits = (rng.standard_normal(128256) * 3).astype(np.float32)
     on_gpu = cp.asarray(logits)
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
@@ -151,7 +151,7 @@ def test_gemv_kernel_matches_twin(n, K, N, f32_out, rng):
     """Decode's GEMMs (n <= 8 rows) go through kernels/gemv.cu; out is a column slice of a wider buffer."""
     import cupy as cp
 
-    from tinyvllm.backend import cuda_ops
+    from tinyvllm.model.backend import cuda_ops
     x32, x = bf16_pair(rng, (n, K))
     w32, w = bf16_pair(rng, (N, K), scale=K ** -0.5)
     wide = cp.full((n, N + 24), np.nan, np.float32) if f32_out else nan_bf16((n, N + 24))

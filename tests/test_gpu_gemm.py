@@ -4,8 +4,8 @@ import pytest
 
 from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, requires_gpu
 from tests.numeric import rel_err
-from tinyvllm.gemm import OP_N, OP_T, gemm_colmajor
-from tinyvllm.models import PRESETS
+from tinyvllm.formats.checkpoints import PRESETS
+from tinyvllm.model.gemm import OP_N, OP_T, gemm_colmajor
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 CFG = PRESETS["llama-3.2-1b"]
@@ -16,7 +16,7 @@ LAYER_SHAPES = {"qkv": (Q + 2 * KV, H), "o_proj": (H, Q), "gate_up": (2 * I, H),
 @pytest.mark.parametrize("name", LAYER_SHAPES)
 @pytest.mark.parametrize("T", [1, 17, 128, 1000])
 def test_layer_gemm(name, T):
-    from tinyvllm.gemm import gemm_cublas
+    from tinyvllm.model.gemm import gemm_cublas
     rng = np.random.default_rng(T)
     N, K = LAYER_SHAPES[name]
     x32, x = bf16_pair(rng, (T, K))
@@ -29,7 +29,8 @@ def test_layer_gemm(name, T):
 def test_lm_head_gemm_fp32_out_and_column_slices():
     """fp32 logits out; and an output that is a column slice of a wider buffer (ldc > N)."""
     import cupy as cp
-    from tinyvllm.gemm import gemm_cublas
+
+    from tinyvllm.model.gemm import gemm_cublas
     rng = np.random.default_rng(0)
     x32, x = bf16_pair(rng, (3, H))
     w32, w = bf16_pair(rng, (V, H), scale=H ** -0.5)
@@ -47,7 +48,8 @@ def test_lm_head_gemm_fp32_out_and_column_slices():
 def test_emulator_reproduces_cublas_layout():
     """The NumPy column-major emulator, given the same flat buffers and parameters, lays out C as cuBLAS does."""
     import cupy as cp
-    from tinyvllm.gemm import gemm_cublas
+
+    from tinyvllm.model.gemm import gemm_cublas
     rng = np.random.default_rng(1)
     T, N, K = 7, 40, 24
     x32, x = bf16_pair(rng, (T, K))

@@ -1,20 +1,30 @@
-"""Every CUDA kernel against its NumPy twin (tinyvllm/backend/numpy_ops.py) on fresh random inputs,
-odd sizes included, outputs filled with NaN before the launch. Run with `make test-gpu`."""
+"""Every CUDA kernel against its NumPy twin (tinyvllm/model/backend/numpy_ops.py) on fresh random inputs,
+odd sizes included, outputs filled with NaN before the launch; and every kernel file that takes a launch
+constant from Python (backend/constants.py, through -D) refuses to compile without it. Run with `make test-gpu`."""
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, requires_gpu
 from tests.numeric import rel_err
-from tinyvllm.backend import numpy_ops as twin
-from tinyvllm.model import rope_tables
-from tinyvllm.models import PRESETS
+from tinyvllm.model.backend import numpy_ops as twin
+from tinyvllm.model.model import rope_tables
+from tinyvllm.formats.checkpoints import PRESETS
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
+
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "tinyvllm" / "model" / "kernels"
+# kernel file -> the constants it insists on (its `#ifndef NAME / #error` guards, its headers' included)
+GUARDED = {path.stem: set(re.findall(r"#ifndef (\w+)\n#error", path.read_text()))
+           | ({"DECODE_THREADS", "BF16_PER_VECTOR"} if '#include "decode_attention.cuh"' in path.read_text() else set())
+           for path in sorted(KERNELS_DIR.glob("*.cu"))}
 
 
 @pytest.fixture(scope="module")
 def ops():
-    from tinyvllm.backend import cuda_ops
+    from tinyvllm.model.backend import cuda_ops
     return cuda_ops
 
 
@@ -64,7 +74,8 @@ def test_rope(ops, rng, T, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 64, 65, 200, 1000])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (32, 8, 64), (8, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (32, 8, 64), (8, 2, 128), (4, 2, 16),
+                                                     (6, 2, 32)])
 def test_prefill_attention(ops, rng, T, heads, kv_heads, head_dim):
     width = (heads + 2 * kv_heads) * head_dim
     qkv32, qkv = bf16_pair(rng, (T, width), scale=2.0)  # scale 2: peaked softmax rows, not uniform mush
@@ -112,3 +123,27 @@ def test_argmax(ops, rng, rows, vocab):
     out = cp.full(rows, -1, dtype=cp.int32)
     ops.argmax(cp.asarray(logits), out)
     np.testing.assert_array_equal(cp.asnumpy(out), np.argmax(logits, axis=1))
+
+
+def test_the_guarded_kernels():
+    """The files whose code uses a constant from Python (the rest read their launch shape from blockDim)."""
+    assert {name for name, needs in GUARDED.items() if needs} == {
+        "argmax", "decode_attention", "paged_attention", "prefill_attention", "gemv", "store_kv"}
+    assert GUARDED["paged_attention"] >= {"BLOCK_SIZE", "DECODE_THREADS", "BF16_PER_VECTOR"}
+
+
+@pytest.mark.parametrize("file", [name for name, needs in GUARDED.items() if needs])
+def test_kernel_refuses_to_compile_without_its_constants(ops, file):
+    """Compiled without the -D options, each guarded file stops at its #error; with them (cuda_ops.kernel's
+    options) it compiles, and with all but one of its constants it stops again, naming that one."""
+    import cupy as cp
+    from tinyvllm.model.backend.constants import nvrtc_defines
+    source = (KERNELS_DIR / f"{file}.cu").read_text()
+    base = ("-std=c++17", f"-I{KERNELS_DIR}")
+    with pytest.raises(cp.cuda.compiler.CompileException, match="comes from Python"):
+        cp.RawModule(code=source, options=base).compile()
+    cp.RawModule(code=source, options=ops.NVRTC_OPTIONS).compile()
+    for name in sorted(GUARDED[file]):
+        defines = tuple(d for d in nvrtc_defines() if not d.startswith(f"-D{name}="))
+        with pytest.raises(cp.cuda.compiler.CompileException, match=f"{name} comes from Python"):
+            cp.RawModule(code=source, options=base + defines).compile()

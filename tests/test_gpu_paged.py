@@ -7,7 +7,7 @@ from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, requires_gpu
 from tests.numeric import rel_err
 from tests.test_gpu_decode import gpu_model, to_gpu_bf16  # noqa: F401  (gpu_model is a fixture)
 from tests.test_paged import LENGTHS, fragmented_pool
-from tinyvllm.backend import numpy_ops as twin
+from tinyvllm.model.backend import numpy_ops as twin
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim, splits, rng):
     import cupy as cp
 
-    from tinyvllm.backend import cuda_ops
+    from tinyvllm.model.backend import cuda_ops
     k32, v32, tables, seqs = fragmented_pool(rng, LENGTHS, kv_heads, head_dim)  # NaN in every unused slot
     (k_gpu, k32), (v_gpu, v32) = to_gpu_bf16(k32), to_gpu_bf16(v32)
     n, q_cols = len(seqs), heads * head_dim
@@ -37,25 +37,25 @@ def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim, splits, 
 def test_paged_decode_step_equals_contiguous_decode_step(gpu_model):  # noqa: F811
     import cupy as cp
 
-    from tinyvllm.decode import decode_step
-    from tinyvllm.kv_cache import ContiguousKVCache
-    from tinyvllm.paged_cache import PagedKVCache
-    from tinyvllm.prefill import prefill
+    from tinyvllm.engine.block_manager import BlockManager, plan_decode, plan_prefill
+    from tinyvllm.model.decode import decode_batch, decode_step
+    from tinyvllm.model.kv_pool import ContiguousKVCache, PagedKVPool
+    from tinyvllm.model.prefill import prefill, prefill_batch
     _, model = gpu_model
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, model.cfg.vocab_size, n).tolist() for n in (1, 16, 17, 255, 700)]
     nxt = rng.integers(0, model.cfg.vocab_size, 5).tolist()
-    paged = PagedKVCache(model.cfg, model.ops, num_blocks=120)
-    paged.append(99, 100)                         # fragment the pool first
-    prefill(model, prompts[0], cache=paged, seq=0)
-    paged.free(99)
+    paged, blocks = PagedKVPool(model.cfg, model.ops, num_blocks=120), BlockManager(120)
+    blocks.allocate(99, 100)                      # fragment the pool first
+    prefill_batch(model, paged, [plan_prefill(blocks, 0, prompts[0])])
+    blocks.free(99)
     contiguous = ContiguousKVCache(model.cfg, model.ops, num_seqs=5, max_len=702)
     for s, p in enumerate(prompts):
         if s:
-            prefill(model, p, cache=paged, seq=s)
+            prefill_batch(model, paged, [plan_prefill(blocks, s, p)])
         prefill(model, p, cache=contiguous, seq=s)
     for step in range(2):
-        a = cp.asnumpy(decode_step(model, nxt, paged, list(range(5))))
+        a = cp.asnumpy(decode_batch(model, paged, plan_decode(blocks, list(range(5)), nxt)))
         b = cp.asnumpy(decode_step(model, nxt, contiguous, list(range(5))))
         assert rel_err(a, b) < 1e-3, f"step {step}"  # same kernels and inputs: only the slot lookup differs
 
@@ -63,7 +63,7 @@ def test_paged_decode_step_equals_contiguous_decode_step(gpu_model):  # noqa: F8
 def test_pool_is_sized_from_free_device_memory(gpu_model):  # noqa: F811
     import cupy as cp
 
-    from tinyvllm.paged_cache import bytes_per_block, pool_blocks
+    from tinyvllm.model.kv_pool import bytes_per_block, pool_blocks
     _, model = gpu_model
     free, total = cp.cuda.runtime.memGetInfo()
     per_block = bytes_per_block(model.cfg, 2)

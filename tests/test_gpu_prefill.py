@@ -46,7 +46,7 @@ def save_random_llama_with_tokenizer(path, dims: dict, seed: int = 0):
     """save_random_llama, plus Llama 3's tokenizer files: what LLM() needs beside the weights."""
     import shutil
 
-    from tinyvllm.models import llama3_tokenizer_dir
+    from tinyvllm.formats.checkpoints import llama3_tokenizer_dir
     save_random_llama(path, dims, seed)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(llama3_tokenizer_dir() / name, path / name)
@@ -59,8 +59,8 @@ def test_prefill_matches_transformers(tmp_path, name):
     import torch
     from transformers import LlamaForCausalLM
 
-    from tinyvllm.model import Model
-    from tinyvllm.prefill import prefill
+    from tinyvllm.model.model import Model
+    from tinyvllm.model.prefill import prefill
 
     save_random_llama(tmp_path, CONFIGS[name])
     T = 700 if name == "llama-3.2-1b" else 300
@@ -74,7 +74,7 @@ def test_prefill_matches_transformers(tmp_path, name):
         torch.cuda.empty_cache()
     expected, hf_bf16 = logits_of[torch.float32], logits_of[torch.bfloat16]
 
-    model = Model(tmp_path, device="cuda", max_tokens=1024)
+    model = Model(tmp_path, device="cuda", max_step_tokens=1024)
     logits, kv = prefill(model, ids.tolist(), all_logits=True)
     got = cp.asnumpy(logits)
     err = rel_err(got, expected)

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-KERNELS = sorted((Path(__file__).resolve().parent.parent / "tinyvllm" / "kernels").glob("*.cu"))
+from tinyvllm.model.backend.constants import nvrtc_defines
+
+KERNELS = sorted((Path(__file__).resolve().parent.parent / "tinyvllm" / "model" / "kernels").glob("*.cu"))
 NVCC = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
 
 DECODE_ARGS = ("const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const int*, const int*, "
@@ -35,6 +37,6 @@ def test_there_are_kernels():
 def test_kernel_compiles_for_sm90(path, tmp_path):
     source = tmp_path / path.name
     source.write_text(f'#include "{path}"\n' + "".join(INSTANCES.get(path.stem, [])))
-    run = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", f"-I{path.parent}", "-c", str(source),
+    run = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", f"-I{path.parent}", *nvrtc_defines(), "-c", str(source),
                           "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

@@ -9,7 +9,7 @@ import pytest
 
 from tests.gpu_helpers import requires_gpu
 from tinyvllm import LLM, SamplingParams, TinyVLLMError
-from tinyvllm.models import synth_model
+from tinyvllm.formats.checkpoints import synth_model
 
 TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128)
@@ -33,7 +33,7 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
 def test_close_frees_the_arrays_and_a_second_llm_works(model_dir):
     first = cpu_llm(model_dir)
     expected = greedy_tokens(first)
-    held = [first.engine, first.cache, first.llm_engine, first.cache.k, first.engine.buffers["residual"]]
+    held = [first.model, first.engine.pool, first.engine, first.engine.pool.k, first.model.buffers["residual"]]
     refs = [weakref.ref(x) for x in held]
     del held
     first.close()
@@ -103,14 +103,14 @@ def test_gpu_second_llm_after_close(gpu_model_dir):
     import cupy as cp
     free_before = cp.cuda.runtime.memGetInfo()[0]
     first = gpu_llm(gpu_model_dir)
-    expected, blocks = greedy_tokens(first), first.cache.num_blocks
+    expected, blocks = greedy_tokens(first), first.engine.pool.num_blocks
     first.close()
     free_after = cp.cuda.runtime.memGetInfo()[0]
     # back to the driver, not only to CuPy's pool; what stays is compiled kernels, cuBLAS's workspace and
     # the split-attention workspace, all per process
     assert free_after >= free_before - 2**28, f"{(free_before - free_after) / 2**20:.0f} MiB still held"
     with gpu_llm(gpu_model_dir) as second:
-        assert second.cache.num_blocks >= 0.99 * blocks, (second.cache.num_blocks, blocks)
+        assert second.engine.pool.num_blocks >= 0.99 * blocks, (second.engine.pool.num_blocks, blocks)
         assert greedy_tokens(second) == expected
 
 
@@ -118,8 +118,8 @@ def test_gpu_second_llm_after_close(gpu_model_dir):
 @requires_gpu
 def test_gpu_second_llm_after_del_without_close(gpu_model_dir):
     first = gpu_llm(gpu_model_dir)
-    expected, blocks = greedy_tokens(first), first.cache.num_blocks
+    expected, blocks = greedy_tokens(first), first.engine.pool.num_blocks
     del first  # its memory stays in CuPy's pool: the second LLM's pool sizing must count it as free
     with gpu_llm(gpu_model_dir) as second:
-        assert second.cache.num_blocks >= 0.99 * blocks, (second.cache.num_blocks, blocks)
+        assert second.engine.pool.num_blocks >= 0.99 * blocks, (second.engine.pool.num_blocks, blocks)
         assert greedy_tokens(second) == expected

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from tinyvllm import LLM, Logprob, SamplingParams
-from tinyvllm.sampling import logprob_entries, raw_logprobs
+from tinyvllm.engine.sampling import logprob_entries, raw_logprobs
 
 QUESTION = [{"role": "user", "content": "Write a poem about the sea."}]
 MAX_ERROR = 1e-3    # logprob error against transformers' float32 log-softmax
@@ -89,8 +89,8 @@ def test_logprobs_follow_the_tokens_step_by_step_in_a_mixed_batch(llm):
     asked = [llm.add_request(prompt, SamplingParams(temperature=t, seed=1, max_tokens=5, logprobs=k))
              for t, k in [(0, 2), (0.8, 0), (0.8, 20)]]
     plain = [llm.add_request(prompt, SamplingParams(temperature=t, seed=1, max_tokens=5)) for t in (0, 0.8)]
-    while llm.llm_engine.has_work():
-        llm.llm_engine.step()
+    while llm.engine.has_work():
+        llm.engine.step()
         assert all(len(s.logprobs) == len(s.output_ids) for s in asked)
     assert all(s.logprobs is None for s in plain)
     assert all(len(e) == 20 + (e[t].rank > 20) for t, e in zip(asked[2].output_ids, asked[2].logprobs))

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import tinyvllm.models
+import tinyvllm.formats.checkpoints
 from tinyvllm import TinyVLLMError
-from tinyvllm.models import default_gguf_path, default_model_dir, resolve_model, synth_model
+from tinyvllm.formats.checkpoints import default_gguf_path, default_model_dir, resolve_model, synth_model
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_conversion_is_reused(converted, monkeypatch):
     def no_second_conversion(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(tinyvllm.models, "convert_gguf", no_second_conversion)
+    monkeypatch.setattr(tinyvllm.formats.checkpoints, "convert_gguf", no_second_conversion)
     start = time.perf_counter()
     assert default_model_dir() == model_dir
     assert resolve_model("default") == model_dir
@@ -86,7 +86,7 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
         Path(str(path) + ".partial").write_bytes(b"\0" * 1000)
         raise RuntimeError("interrupted while writing")
 
-    monkeypatch.setattr(tinyvllm.models, "write_safetensors", write_half_then_fail)
+    monkeypatch.setattr(tinyvllm.formats.checkpoints, "write_safetensors", write_half_then_fail)
     with pytest.raises(RuntimeError, match="interrupted"):
         default_model_dir()
     assert list((tmp_path / "models").iterdir()) == []
@@ -102,7 +102,7 @@ def test_interrupted_conversion_leaves_nothing_and_a_retry_works(tmp_path, monke
         (out_dir / "model.safetensors").write_bytes(b"\0" * 100)
         raise error("stopped")
 
-    monkeypatch.setattr(tinyvllm.models, "convert_gguf", convert_partly)
+    monkeypatch.setattr(tinyvllm.formats.checkpoints, "convert_gguf", convert_partly)
     with pytest.raises(error):
         default_model_dir()
     assert list((tmp_path / "models").iterdir()) == []
@@ -110,7 +110,7 @@ def test_interrupted_conversion_leaves_nothing_and_a_retry_works(tmp_path, monke
     def convert_fake(gguf_path, out_dir):  # a retry starts from scratch and finishes
         (out_dir / "model.safetensors").write_bytes(b"done")
 
-    monkeypatch.setattr(tinyvllm.models, "convert_gguf", convert_fake)
+    monkeypatch.setattr(tinyvllm.formats.checkpoints, "convert_gguf", convert_fake)
     final = default_model_dir()
     assert (final / "model.safetensors").read_bytes() == b"done"
     assert [p.name for p in (tmp_path / "models").iterdir()] == [final.name]
@@ -167,7 +167,7 @@ def test_config_matches_the_gguf_metadata(converted, reader):
 
 
 def test_converted_tensor_names_and_shapes(converted, ours):
-    from tinyvllm.config import expected_tensor_shapes, load_config
+    from tinyvllm.formats.config import expected_tensor_shapes, load_config
     expected = expected_tensor_shapes(load_config(converted[1]))
     assert {n: tuple(t.shape) for n, t in ours.items()} == expected
     assert "lm_head.weight" not in ours

@@ -8,14 +8,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.numeric import randn, rel_err, torch_attention
-from tinyvllm.backend import numpy_ops
-from tinyvllm.block_manager import BLOCK_SIZE, BlockManager, OutOfBlocks, blocks_for
-from tinyvllm.decode import decode_step
+from tinyvllm.engine.block_manager import (
+    BLOCK_SIZE,
+    BlockManager,
+    OutOfBlocks,
+    blocks_for,
+    plan_decode,
+    plan_prefill,
+    slot_mapping,
+)
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.kv_cache import ContiguousKVCache
-from tinyvllm.model import Model
-from tinyvllm.paged_cache import PagedKVCache, bytes_per_block, pool_blocks
-from tinyvllm.prefill import prefill
+from tinyvllm.model.backend import numpy_ops
+from tinyvllm.model.decode import decode_batch, decode_step
+from tinyvllm.model.kv_pool import ContiguousKVCache, PagedKVPool, bytes_per_block, pool_blocks
+from tinyvllm.model.model import Model
+from tinyvllm.model.prefill import prefill, prefill_batch
 
 LENGTHS = [1, 15, 16, 17, 255, 4097]
 
@@ -145,7 +152,7 @@ def test_paged_attention_twin_equals_contiguous_attention(heads, kv_heads, head_
 
 @pytest.fixture(scope="module")
 def smol(default_model_dir):
-    return Model(default_model_dir, "cpu", max_tokens=512)
+    return Model(default_model_dir, "cpu", max_step_tokens=512)
 
 
 def test_paged_decode_equals_contiguous_decode(smol):
@@ -155,31 +162,32 @@ def test_paged_decode_equals_contiguous_decode(smol):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, smol.cfg.vocab_size, n).tolist() for n in (15, 33, 70)]
     nexts = rng.integers(0, smol.cfg.vocab_size, (4, 3)).tolist()
-    paged = PagedKVCache(smol.cfg, smol.ops, num_blocks=24)
+    paged, blocks = PagedKVPool(smol.cfg, smol.ops, num_blocks=24), BlockManager(24)
     for filler in range(24):
-        paged.append(100 + filler, BLOCK_SIZE)
+        blocks.allocate(100 + filler, BLOCK_SIZE)
     for filler in range(0, 24, 2):            # the even blocks come back; the odd ones stay taken
-        paged.free(100 + filler)
-    assert sorted(paged.blocks.free_blocks) == list(range(0, 24, 2))
+        blocks.free(100 + filler)
+    assert sorted(blocks.free_blocks) == list(range(0, 24, 2))
     paged.k[:], paged.v[:] = np.nan, np.nan
     for s in range(3):
-        prefill(smol, prompts[s], cache=paged, seq=s)
+        prefill_batch(smol, paged, [plan_prefill(blocks, s, prompts[s])])
     contiguous = ContiguousKVCache(smol.cfg, smol.ops, num_seqs=3, max_len=80)
     for s in range(3):
         prefill(smol, prompts[s], cache=contiguous, seq=s)
-    tables = [paged.blocks.tables[s] for s in range(3)]
+    tables = [blocks.tables[s] for s in range(3)]
     assert [len(t) for t in tables] == [1, 3, 5] and all(b % 2 == 0 for t in tables for b in t), tables
     for table in tables[1:]:                  # logical neighbours are never physical neighbours
         assert all(abs(b - a) > 1 for a, b in zip(table, table[1:])), table
     for step in nexts:
-        a = decode_step(smol, step[:3], paged, [0, 1, 2])
+        a = decode_batch(smol, paged, plan_decode(blocks, [0, 1, 2], step[:3]))
         b = decode_step(smol, step[:3], contiguous, [0, 1, 2])
         assert rel_err(a, b) < 1e-6
-    first, second = paged.blocks.tables[0]    # sequence 0's token 16 opened a block away from its first
+    first, second = blocks.tables[0]          # sequence 0's token 16 opened a block away from its first
     assert second % 2 == 0 and abs(second - first) > 1
     for s in range(3):
+        slots = slot_mapping(blocks.tables[s], 0, blocks.lengths[s])
         for layer in (0, smol.cfg.num_hidden_layers - 1):
-            for x, y in zip(paged.view(s, layer), contiguous.view(s, layer)):
+            for x, y in zip((paged.k[layer, slots], paged.v[layer, slots]), contiguous.view(s, layer)):
                 np.testing.assert_array_equal(x, y)
 
 
@@ -205,7 +213,7 @@ def test_a_request_longer_than_the_pool_runs_to_what_the_pool_holds(small_pool_l
     assert small_pool_llm.max_model_len == 96
     [out] = small_pool_llm.generate([ids], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     assert len(ids) + len(out.token_ids) == 96 and out.outputs[0].finish_reason == "length"
-    assert small_pool_llm.cache.blocks.num_free == 6
+    assert small_pool_llm.engine.scheduler.blocks.num_free == 6
 
 
 def test_running_out_mid_generation_preempts_and_returns_every_block(small_pool_llm):
@@ -218,7 +226,7 @@ def test_running_out_mid_generation_preempts_and_returns_every_block(small_pool_
     together = llm.generate(prompts, params)
     assert [o.token_ids for o in together] == alone
     assert sum(o.timings["preemptions"] for o in together) >= 1
-    assert llm.cache.blocks.num_free == 6 and not llm.cache.blocks.tables
+    assert llm.engine.scheduler.blocks.num_free == 6 and not llm.engine.scheduler.blocks.tables
 
 
 @pytest.mark.slow
@@ -232,4 +240,4 @@ def test_greedy_through_the_paged_cache_equals_transformers(default_model_dir, s
         ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=96 - len(ids)))[0].token_ids
         theirs = up_to_stop(hf_greedy(hf, ids, 96 - len(ids)), set(llm.stop_token_ids))
         assert ours == theirs, question
-        assert llm.cache.blocks.num_free == 6
+        assert llm.engine.scheduler.blocks.num_free == 6

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tinyvllm.engine
+import tinyvllm.engine.engine
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.sampling import apply_penalties
+from tinyvllm.engine.sampling import apply_penalties
 
 MAX_TOKENS = 12
 
@@ -52,13 +52,13 @@ def logits_row(llm, monkeypatch):
     """Every logits row the model computes is replaced by one designed row (the real forward pass still
     runs, so the cache is filled as usual)."""
     holder = {}
-    real_prefill, real_decode = tinyvllm.engine.prefill_batch, llm.llm_engine.decode
+    real_prefill, real_decode = tinyvllm.engine.engine.prefill_batch, llm.engine.decode
 
     def replace(logits):
         return np.broadcast_to(holder["row"], logits.shape).copy()
 
-    monkeypatch.setattr(tinyvllm.engine, "prefill_batch", lambda *a, **k: replace(real_prefill(*a, **k)))
-    monkeypatch.setattr(llm.llm_engine, "decode", lambda *a, **k: replace(real_decode(*a, **k)))
+    monkeypatch.setattr(tinyvllm.engine.engine, "prefill_batch", lambda *a, **k: replace(real_prefill(*a, **k)))
+    monkeypatch.setattr(llm.engine, "decode", lambda *a, **k: replace(real_decode(*a, **k)))
 
     def use(row: np.ndarray) -> np.ndarray:
         holder["row"] = row
@@ -82,7 +82,7 @@ def test_penalties_follow_vllms_rule_greedy_and_sampled(llm, logits_row, case):
     the penalties. The penalized ones follow the rule; the others keep choosing id 100."""
     penalties, shift = CASES[case]
     seed = 1000 + list(CASES).index(case)
-    row = logits_row(designed_row(llm.config.vocab_size, seed, shift))
+    row = logits_row(designed_row(llm.model_config.vocab_size, seed, shift))
     prompt = [7, 101, 30, 100, 55]  # holds two favourites: repetition acts from the first token
     expected = expected_greedy(row, prompt, penalties)
     assert expected != [100] * MAX_TOKENS, f"{case}: the penalty should change the tokens (seed {seed})"
@@ -121,7 +121,7 @@ def test_plain_greedy_rows_never_reach_the_per_row_sampler(llm, monkeypatch):
     """The fast path: greedy rows without penalties take the batch's one argmax, never sample()."""
     def refuse(*args):
         raise AssertionError("sample() called for a plain greedy row")
-    monkeypatch.setattr(tinyvllm.engine, "sample", refuse)
+    monkeypatch.setattr(tinyvllm.engine.engine, "sample", refuse)
     outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
 

@@ -3,17 +3,17 @@ import numpy as np
 import pytest
 
 from tests.numeric import rel_err
-from tinyvllm.config import load_config
-from tinyvllm.model import Model
-from tinyvllm.prefill import prefill
+from tinyvllm.formats.config import load_config
+from tinyvllm.model.model import Model
+from tinyvllm.model.prefill import prefill
+from tinyvllm.model.weights import load_weights
 from tinyvllm.reference import ReferenceModel
-from tinyvllm.weights import load_weights
 
 
 @pytest.fixture(scope="module")
 def smol(default_model_dir):
     cfg = load_config(default_model_dir)
-    return Model(default_model_dir, device="cpu", max_tokens=128), ReferenceModel(cfg, load_weights(default_model_dir, cfg).views)
+    return Model(default_model_dir, device="cpu", max_step_tokens=128), ReferenceModel(cfg, load_weights(default_model_dir, cfg).views)
 
 
 def test_cpu_prefill_matches_reference(smol):
@@ -31,7 +31,7 @@ def test_cpu_prefill_matches_reference(smol):
 
 def test_cpu_prefill_rejects_too_long_prompt(smol):
     from tinyvllm.errors import TinyVLLMError
-    with pytest.raises(TinyVLLMError, match="prefill takes"):
+    with pytest.raises(TinyVLLMError, match="step buffers hold 1 to 128"):
         prefill(smol[0], [1] * 129)
 
 

@@ -18,10 +18,10 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from tests.numeric import rel_err
-from tinyvllm.config import load_config
+from tinyvllm.formats.config import load_config
+from tinyvllm.formats.tokenizer import load_tokenizer
+from tinyvllm.model.weights import load_weights
 from tinyvllm.reference import ReferenceModel, rope_inv_freq
-from tinyvllm.tokenizer import load_tokenizer
-from tinyvllm.weights import load_weights
 
 GREEDY_TOKENS = 64
 CHATS = [
@@ -48,7 +48,7 @@ def hf_logits(model: LlamaForCausalLM, ids: list[int]) -> np.ndarray:
 
 
 def greedy_with_cache(model: ReferenceModel, prompt: list[int], n: int) -> list[int]:
-    """What tinyvllm.llm.LLM does at temperature 0: one prefill, then one cached decode step per token."""
+    """What tinyvllm.entrypoints.llm.LLM does at temperature 0: one prefill, then one cached decode step per token."""
     cache = model.new_cache(len(prompt) + n)
     logits = model.forward(prompt, cache, all_logits=False)
     tokens = []

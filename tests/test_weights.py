@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinyvllm.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
-from tinyvllm.buffers import ALIGN, blob_size, plan_buffers
-from tinyvllm.config import load_config
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.models import PRESETS
-from tinyvllm.weights import load_weights, plan_weights
+from tinyvllm.formats.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+from tinyvllm.formats.checkpoints import PRESETS
+from tinyvllm.formats.config import load_config
+from tinyvllm.model.buffers import ALIGN, blob_size, plan_buffers
+from tinyvllm.model.weights import load_weights, plan_weights
 
 torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ def test_narrowing_matches_torch_round_to_nearest_even(rng):
 
 def test_plan_buffers_sizes_by_hand():
     cfg = PRESETS["smollm2-135m"]  # hidden 576, 9 heads x 64, 3 KV heads, FFN 1536, vocab 49152
-    regions = {r.name: r for r in plan_buffers(cfg, max_tokens=100, dtype="bf16")}
+    regions = {r.name: r for r in plan_buffers(cfg, step_tokens=100, dtype="bf16")}
     expected = {"residual": (100, 576), "normed": (100, 576), "qkv": (100, 576 + 2 * 192),
                 "attn_out": (100, 576), "delta": (100, 576), "gate_up": (100, 2 * 1536), "mlp_act": (100, 1536)}
     assert {n: r.shape for n, r in regions.items()} == expected

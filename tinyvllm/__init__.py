@@ -1,11 +1,11 @@
 """tinyvllm: a small vLLM for Llama models, built chapter by chapter in NumPy and CuPy."""
+from tinyvllm.engine.sampling import Logprob, SamplingParams
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.sampling import Logprob, SamplingParams
 
 
 def __getattr__(name: str):  # LLM pulls in the model code: import it only when asked for
     if name == "LLM":
-        from tinyvllm.llm import LLM
+        from tinyvllm.entrypoints.llm import LLM
         return LLM
     raise AttributeError(name)
 

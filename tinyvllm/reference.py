@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.config import LlamaConfig
+from tinyvllm.formats.config import LlamaConfig, rope_inv_freq  # noqa: F401  (chapter 1's exercise 1.2: it lives with the config)
 
 F32 = np.float32
 
@@ -20,24 +20,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis. x: (T, hidden)."""
     variance = np.mean(np.square(x), axis=-1, keepdims=True)
     return x / np.sqrt(variance + F32(eps)) * weight
-
-
-def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """The rotation speed of each of the head_dim/2 frequency pairs, with llama3 scaling if configured."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq.astype(F32)
-    # llama3: slow (long-wavelength) frequencies are divided by `factor`, fast ones kept, a smooth ramp between
-    old_len = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / s["low_freq_factor"], old_len / s["high_freq_factor"]
-    wavelen = 2 * np.pi / inv_freq
-    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
-    ramp = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
-    scaled = np.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), ramp, scaled)
-    return scaled.astype(F32)
 
 
 def rope_cos_sin(inv_freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -160,30 +142,45 @@ class ReferenceModel:
 
     def forward(self, token_ids, cache: KVCache | None = None, all_logits: bool = True) -> np.ndarray:
         """Run tokens at positions cache.length.. (0 without a cache); logits (T, vocab), or (vocab,) for the last."""
-        cfg = self.cfg
         cache = cache or self.new_cache(len(token_ids))
         start, T = cache.length, len(token_ids)
         positions = slice(start, start + T)
         cos, sin = rope_cos_sin(self.inv_freq, np.arange(start, start + T))
         x = self.w["model.embed_tokens.weight"][np.asarray(token_ids)]  # (T, hidden)
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            h = rms_norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            qkv = h @ self.qkv[i].T  # (T, q + 2 kv): Q, K and V side by side
-            q = qkv[:, :cfg.q_size].reshape(T, -1, cfg.head_dim)
-            k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(T, -1, cfg.head_dim)
-            v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(T, -1, cfg.head_dim)
-            cache.k[i, positions] = apply_rope(k, cos, sin)
-            cache.v[i, positions] = v
-            q = apply_rope(q, cos, sin)
-            attn = attention(q, cache.k[i, :start + T], cache.v[i, :start + T], start)
-            x = x + attn @ self.w[p + "self_attn.o_proj.weight"].T
-            h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            gate_up = h @ self.gate_up[i].T  # (T, 2 ffn): gate, then up
-            gate, up = gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:]
-            x = x + swiglu(gate, up) @ self.w[p + "mlp.down_proj.weight"].T
+        for i in range(self.cfg.num_hidden_layers):
+            q, cache.k[i, positions], cache.v[i, positions] = self.project_qkv(i, x, cos, sin)
+            x = x + self.attention_block(i, q, cache.k[i, :start + T], cache.v[i, :start + T], start)
+            x = x + self.mlp_block(i, x)
         cache.length = start + T
         if not all_logits:
             x = x[-1:]  # prefill only needs the last position's logits: skip (T-1) x vocab of work
-        logits = rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps) @ self.lm_head.T
+        logits = self.lm_head_logits(x)
         return logits if all_logits else logits[0]
+
+    # One layer in three parts (forward above; chapter 1's map and chapter 3's checks show each part)
+
+    def project_qkv(self, i: int, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
+        """Layer i: RMSNorm, one (q + 2 kv) projection, RoPE on Q and K: q (T, H, d), k and v (T, KVH, d)."""
+        cfg, T = self.cfg, len(x)
+        h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], cfg.rms_norm_eps)
+        qkv = h @ self.qkv[i].T  # (T, q + 2 kv): Q, K and V side by side
+        q = qkv[:, :cfg.q_size].reshape(T, -1, cfg.head_dim)
+        k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(T, -1, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(T, -1, cfg.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attention_block(self, i: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int = 0) -> np.ndarray:
+        """Layer i's attention of q (at positions start..) over keys 0.., after o_proj: (T, hidden), to add to x."""
+        return attention(q, k, v, start) @ self.w[f"model.layers.{i}.self_attn.o_proj.weight"].T
+
+    def mlp_block(self, i: int, x: np.ndarray) -> np.ndarray:
+        """Layer i's RMSNorm + SwiGLU MLP: (T, hidden), to add to x."""
+        cfg = self.cfg
+        h = rms_norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        gate_up = h @ self.gate_up[i].T  # (T, 2 ffn): gate, then up
+        gate, up = gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:]
+        return swiglu(gate, up) @ self.w[f"model.layers.{i}.mlp.down_proj.weight"].T
+
+    def lm_head_logits(self, x: np.ndarray) -> np.ndarray:
+        """Final RMSNorm, then one score per vocabulary entry: (T, vocab)."""
+        return rms_norm(x, self.w["model.norm.weight"], self.cfg.rms_norm_eps) @ self.lm_head.T

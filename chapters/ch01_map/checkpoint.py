@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm import config, reference, tokenizer, weights
-from tinyvllm.models import resolve_model
+from tinyvllm import reference
+from tinyvllm.formats import config, tokenizer
+from tinyvllm.formats.checkpoints import resolve_model
+from tinyvllm.model import weights
 
 PROMPT = "What is the capital of France?"
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -49,26 +51,17 @@ def embed(model: reference.ReferenceModel, ids: list[int]) -> np.ndarray:
 
 def qkv(model: reference.ReferenceModel, i: int, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
     """Layer i: RMSNorm, then Q (T, H, d), K and V (T, KVH, d), with RoPE applied to Q and K."""
-    cfg, w, p = model.cfg, model.w, f"model.layers.{i}."
-    h = reference.rms_norm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-    q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(len(x), cfg.num_attention_heads, cfg.head_dim)
-    k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(len(x), cfg.num_key_value_heads, cfg.head_dim)
-    v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(len(x), cfg.num_key_value_heads, cfg.head_dim)
-    return reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin), v
+    return model.project_qkv(i, x, cos, sin)
 
 
 def attention_block(model: reference.ReferenceModel, i: int, x: np.ndarray, cos, sin) -> np.ndarray:
     """Layer i's attention output after o_proj (T, hidden); the caller adds it to the residual."""
-    q, k, v = qkv(model, i, x, cos, sin)
-    return reference.attention(q, k, v, 0) @ model.w[f"model.layers.{i}.self_attn.o_proj.weight"].T
+    return model.attention_block(i, *qkv(model, i, x, cos, sin))
 
 
 def mlp_block(model: reference.ReferenceModel, i: int, x: np.ndarray) -> np.ndarray:
     """Layer i's RMSNorm + SwiGLU MLP (T, hidden): up to intermediate_size and back down."""
-    cfg, w, p = model.cfg, model.w, f"model.layers.{i}."
-    h = reference.rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
-    return reference.swiglu(gate, up) @ w[p + "mlp.down_proj.weight"].T
+    return model.mlp_block(i, x)
 
 
 def layer(model: reference.ReferenceModel, i: int, x: np.ndarray, cos, sin) -> np.ndarray:
@@ -78,7 +71,7 @@ def layer(model: reference.ReferenceModel, i: int, x: np.ndarray, cos, sin) -> n
 
 def lm_head(model: reference.ReferenceModel, x: np.ndarray) -> np.ndarray:
     """Final RMSNorm, then one score per vocabulary entry (T, vocab)."""
-    return reference.rms_norm(x, model.w["model.norm.weight"], model.cfg.rms_norm_eps) @ model.lm_head.T
+    return model.lm_head_logits(x)
 
 
 def attention_probs(model: reference.ReferenceModel, ids: list[int], layer_index: int, head: int) -> np.ndarray:

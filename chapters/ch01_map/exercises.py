@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.config import LlamaConfig
+from tinyvllm.formats.config import LlamaConfig
 
 REFERENCE = {
     "rms_norm": "tinyvllm.reference:rms_norm",

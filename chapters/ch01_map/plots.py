@@ -8,8 +8,9 @@ import numpy as np
 from matplotlib.patches import FancyBboxPatch
 
 from chapters.ch01_map import checkpoint
-from tinyvllm import config, reference
-from tinyvllm.models import PRESETS, resolve_model
+from tinyvllm import reference
+from tinyvllm.formats import config
+from tinyvllm.formats.checkpoints import PRESETS, resolve_model
 
 COLORS = {"io": "#e8e8e8", "norm": "#fde2b8", "proj": "#c9dcf5", "rope": "#e3d2f3", "attn": "#f6c9c9",
           "mlp": "#cdebd0", "sum": "#ffffff"}

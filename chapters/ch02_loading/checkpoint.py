@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm import bf16, buffers, safetensors_format, weights
-from tinyvllm.config import load_config
-from tinyvllm.info import bytes_by_kind
-from tinyvllm.models import resolve_model
+from tinyvllm.entrypoints.info import bytes_by_kind
+from tinyvllm.formats import bf16, safetensors_format
+from tinyvllm.formats.checkpoints import resolve_model
+from tinyvllm.formats.config import load_config
+from tinyvllm.model import buffers, weights
 
 MAX_TOKENS = 512  # the largest step the buffer plan is sized for (as `python -m tinyvllm info`)
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.buffers import ALIGN, ITEMSIZE, Region  # noqa: F401  (what lay_out needs)
 from tinyvllm.errors import TinyVLLMError  # noqa: F401  (what parse_header raises)
-from tinyvllm.safetensors_format import DTYPES, MAX_HEADER_BYTES, TensorInfo  # noqa: F401
+from tinyvllm.formats.safetensors_format import DTYPES, MAX_HEADER_BYTES, TensorInfo  # noqa: F401
+from tinyvllm.model.buffers import ALIGN, ITEMSIZE, Region  # noqa: F401  (what lay_out needs)
 
 REFERENCE = {
-    "parse_header": "tinyvllm.safetensors_format:parse_header",
-    "bf16_bits_to_float32": "tinyvllm.bf16:bf16_bits_to_float32",
-    "float32_to_bf16_bits": "tinyvllm.bf16:float32_to_bf16_bits",
-    "lay_out": "tinyvllm.buffers:lay_out",
+    "parse_header": "tinyvllm.formats.safetensors_format:parse_header",
+    "bf16_bits_to_float32": "tinyvllm.formats.bf16:bf16_bits_to_float32",
+    "float32_to_bf16_bits": "tinyvllm.formats.bf16:float32_to_bf16_bits",
+    "lay_out": "tinyvllm.model.buffers:lay_out",
 }
 
 

@@ -6,12 +6,12 @@ import numpy as np
 from matplotlib.figure import Figure  # no pyplot: the same code draws for files (Agg) and notebooks
 from matplotlib.patches import Patch, Rectangle
 
-from tinyvllm.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
-from tinyvllm.buffers import Region, blob_size, plan_buffers
-from tinyvllm.config import load_config
-from tinyvllm.models import PRESETS, resolve_model
-from tinyvllm.safetensors_format import SafetensorsFile
-from tinyvllm.weights import plan_weights, weight_kind
+from tinyvllm.formats.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+from tinyvllm.formats.checkpoints import PRESETS, resolve_model
+from tinyvllm.formats.config import load_config
+from tinyvllm.formats.safetensors_format import SafetensorsFile
+from tinyvllm.model.buffers import Region, blob_size, plan_buffers
+from tinyvllm.model.weights import plan_weights, weight_kind
 
 KIND_COLORS = {"embedding": "#4C72B0", "attention": "#DD8452", "mlp": "#55A868", "norm": "#C44E52"}
 MIB = 2**20

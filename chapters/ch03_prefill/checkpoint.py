@@ -17,11 +17,12 @@ import numpy as np
 
 from chapters.ch01_map import checkpoint as ch01
 from chapters.ch01_map.checkpoint import Stage, rel_err, timed
-from tinyvllm import bf16, reference
-from tinyvllm.backend import cuda_available
-from tinyvllm.config import LlamaConfig
-from tinyvllm.model import Model
-from tinyvllm.prefill import prefill
+from tinyvllm import reference
+from tinyvllm.formats import bf16
+from tinyvllm.formats.config import LlamaConfig
+from tinyvllm.model.backend import cuda_available
+from tinyvllm.model.model import Model
+from tinyvllm.model.prefill import prefill
 
 PROMPT = "What is 2+2?"
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -60,16 +61,16 @@ def reference_layers(model: reference.ReferenceModel, ids: list[int], round_stre
     x = ch01.embed(model, ids)
     run = ReferenceRun(stream=[x])
     for i in range(model.cfg.num_hidden_layers):
-        q, k, v = ch01.qkv(model, i, x, cos, sin)
-        x = keep(x + reference.attention(q, k, v, 0) @ model.w[f"model.layers.{i}.self_attn.o_proj.weight"].T)
-        x = keep(x + ch01.mlp_block(model, i, x))
+        q, k, v = model.project_qkv(i, x, cos, sin)
+        x = keep(x + model.attention_block(i, q, k, v))
+        x = keep(x + model.mlp_block(i, x))
         run.qkv.append((q, k, v))
         run.stream.append(x)
-    run.logits = ch01.lm_head(model, x[-1:])[0]  # only the last position picks the next token
+    run.logits = model.lm_head_logits(x[-1:])[0]  # only the last position picks the next token
     return run
 
 
-# ---- the engine: tinyvllm/prefill.py's loop, reading the stream back after every layer ----
+# ---- the engine: tinyvllm/model/prefill.py's loop, reading the stream back after every layer ----
 
 def host_f32(ops, a) -> np.ndarray:
     """A copy of a device array on the host as float32 (bf16 bits widened): buffers are reused."""

@@ -17,7 +17,7 @@ REFERENCE = {
 }
 # Exercises written in CUDA C: {the string you fill in: the engine's kernel file it re-implements}.
 GPU_EXERCISES = {
-    "RMS_NORM_KERNEL_SOURCE": "tinyvllm/kernels/rms_norm.cu",
+    "RMS_NORM_KERNEL_SOURCE": "tinyvllm/model/kernels/rms_norm.cu",
 }
 
 
@@ -49,7 +49,7 @@ def online_softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_
     raise NotImplementedError("Exercise 3.1: online_softmax_attention")
 
 
-# Exercise 3.2 (graded on a GPU): the engine's RMSNorm kernel, tinyvllm/kernels/rms_norm.cu, in your words.
+# Exercise 3.2 (graded on a GPU): the engine's RMSNorm kernel, tinyvllm/model/kernels/rms_norm.cu, in your words.
 #   residual[t] += delta[t]            (skip the add when delta is a null pointer)
 #   out[t] = residual[t] / sqrt(mean(residual[t]^2) + eps) * weight
 # Launch: grid (T), block (256): one block per row t = blockIdx.x; threads stride over the hidden dim.

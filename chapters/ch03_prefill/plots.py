@@ -11,7 +11,8 @@ from matplotlib.figure import Figure  # no pyplot: the same code draws for files
 
 from chapters.ch01_map import checkpoint as ch01
 from chapters.ch03_prefill import checkpoint
-from tinyvllm import bf16, reference
+from tinyvllm import reference
+from tinyvllm.formats import bf16
 
 HEATMAP_LAYER = 16  # a layer where one K/V group holds a previous-token head next to two sink heads
 BENCH_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"

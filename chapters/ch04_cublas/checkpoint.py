@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm import gemm
-from tinyvllm.backend import cuda_available
-from tinyvllm.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
-from tinyvllm.config import LlamaConfig
-from tinyvllm.gemm import OP_N, OP_T, gemm_colmajor
-from tinyvllm.model import Model, plan_engine_weights
-from tinyvllm.models import resolve_model
+from tinyvllm.formats.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+from tinyvllm.formats.checkpoints import resolve_model
+from tinyvllm.formats.config import LlamaConfig
+from tinyvllm.model import gemm
+from tinyvllm.model.backend import cuda_available
+from tinyvllm.model.gemm import OP_N, OP_T, gemm_colmajor
+from tinyvllm.model.model import Model, plan_engine_weights
 
 T = 17                   # tokens in the random activation: odd, and neither 1 (decode) nor a power of two
 FP32_TOLERANCE = 1e-5    # emulator vs NumPy: both float32, only the summation order differs
@@ -158,7 +158,8 @@ def check_slices(cfg: LlamaConfig, w_qkv: np.ndarray, x: np.ndarray, v: Verdicts
 def check_cublas(gemms: list[Gemm], weights: dict[str, np.ndarray], rng: np.random.Generator, v: Verdicts) -> None:
     """The same GEMMs through cuBLAS: bf16 weights and activations, fp32 accumulation, bf16 (logits fp32) out."""
     import cupy as cp
-    from tinyvllm.gemm import gemm_cublas
+
+    from tinyvllm.model.gemm import gemm_cublas
 
     for g in gemms:
         w, logits = weights[g.name], g.name == "lm_head"
@@ -174,7 +175,8 @@ def check_cublas(gemms: list[Gemm], weights: dict[str, np.ndarray], rng: np.rand
 def check_cublas_slices(cfg: LlamaConfig, w_qkv: np.ndarray, rng: np.random.Generator, v: Verdicts) -> None:
     """Q, K and V by three cuBLAS calls into column slices of one bf16 buffer (ldc = the buffer's row width)."""
     import cupy as cp
-    from tinyvllm.gemm import gemm_cublas
+
+    from tinyvllm.model.gemm import gemm_cublas
 
     q, kv = cfg.q_size, cfg.kv_size
     x16 = bf16_values(rng.standard_normal((T, cfg.hidden_size), dtype=np.float32))
@@ -213,7 +215,7 @@ def timed_on_gpu(fn, out) -> tuple[np.ndarray, float]:
 def main() -> bool:
     model_dir = resolve_model("default")
     start = time.perf_counter()
-    model = Model(model_dir, device="cpu", max_tokens=T)  # float32 fused weights, as the CPU engine runs
+    model = Model(model_dir, device="cpu", max_step_tokens=T)  # float32 fused weights, as the CPU engine runs
     cfg, layer = model.cfg, model.layers[0]
     print(f"model: {model_dir} (loaded in {time.perf_counter() - start:.1f} s)\n")
     print_gemm_table(cfg, model_dir.name)

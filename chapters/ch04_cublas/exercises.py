@@ -5,18 +5,18 @@ Fill in each function, then:
     make chapter-4 IMPL=student     # the chapter's checkpoint, with your parameters for every GEMM
 
 Each function has the signature and docstring of the engine function it replaces (see REFERENCE).
-Try your answers on tinyvllm.gemm.gemm_colmajor, which does what cublasGemmEx does, on flat NumPy
+Try your answers on tinyvllm.model.gemm.gemm_colmajor, which does what cublasGemmEx does, on flat NumPy
 buffers: gemm_colmajor(p["transa"], p["transb"], p["m"], p["n"], p["k"], 1.0, w.ravel(), p["lda"],
 x.ravel(), p["ldb"], 0.0, y.ravel(), p["ldc"]) must leave x @ w.T in the row-major y.
 """
 from __future__ import annotations
 
-from tinyvllm.gemm import OP_N, OP_T  # noqa: F401  (the two values transa and transb can take)
+from tinyvllm.model.gemm import OP_N, OP_T  # noqa: F401  (the two values transa and transb can take)
 
 REFERENCE = {
-    "gemm_params": "tinyvllm.gemm:gemm_params",
-    "gemm_params_into_slice": "tinyvllm.gemm:gemm_params_into_slice",
-    "colmajor_index": "tinyvllm.gemm:colmajor_index",
+    "gemm_params": "tinyvllm.model.gemm:gemm_params",
+    "gemm_params_into_slice": "tinyvllm.model.gemm:gemm_params_into_slice",
+    "colmajor_index": "tinyvllm.model.gemm:colmajor_index",
 }
 
 

@@ -5,13 +5,13 @@ import numpy as np
 from matplotlib.figure import Figure  # no pyplot: the same code draws for files (Agg) and notebooks
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from tinyvllm import gemm
 from chapters.ch04_cublas.checkpoint import BUFFERS, layer_gemms
-from tinyvllm.bf16 import bf16_bits_to_float32
-from tinyvllm.config import load_config
-from tinyvllm.gemm import OP_N, OP_T
-from tinyvllm.models import PRESETS, resolve_model
-from tinyvllm.safetensors_format import SafetensorsFile
+from tinyvllm.formats.bf16 import bf16_bits_to_float32
+from tinyvllm.formats.checkpoints import PRESETS, resolve_model
+from tinyvllm.formats.config import load_config
+from tinyvllm.formats.safetensors_format import SafetensorsFile
+from tinyvllm.model import gemm
+from tinyvllm.model.gemm import OP_N, OP_T
 
 ROW, COL = "#4C72B0", "#DD8452"  # row-major order in blue, column-major order in orange
 WEIGHT = "model.layers.0.self_attn.q_proj.weight"

@@ -12,7 +12,7 @@ chosen token id is on the host, and its text is printed as soon as it is whole U
   (c) numpy_ops.decode_attention, on every layer's real query of check (a)'s decode step and the cache
       it read, equals reference.attention.
 Engine functions are called through their modules, so the student's function, plugged into
-tinyvllm.backend.numpy_ops by --impl student, is the one that runs.
+tinyvllm.model.backend.numpy_ops by --impl student, is the one that runs.
 """
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ from chapters.ch01_map import checkpoint as ch01
 from chapters.ch01_map.checkpoint import Stage, rel_err, timed
 from chapters.ch03_prefill.checkpoint import host_f32, print_table
 from tinyvllm import reference
-from tinyvllm.backend import cuda_available, numpy_ops
-from tinyvllm.config import LlamaConfig
-from tinyvllm.decode import decode_step
-from tinyvllm.kv_cache import ContiguousKVCache
-from tinyvllm.model import Model
-from tinyvllm.prefill import prefill
-from tinyvllm.sampling import SamplingParams, sample
-from tinyvllm.tokenizer import IncrementalDecoder, Tokenizer
+from tinyvllm.engine.sampling import SamplingParams, sample
+from tinyvllm.formats.config import LlamaConfig
+from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer
+from tinyvllm.model.backend import cuda_available, numpy_ops
+from tinyvllm.model.decode import decode_step
+from tinyvllm.model.kv_pool import ContiguousKVCache
+from tinyvllm.model.model import Model
+from tinyvllm.model.prefill import prefill
 
 PROMPTS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?"]
 MAX_NEW_TOKENS = 32
@@ -45,7 +45,7 @@ GREEDY = SamplingParams(temperature=0)
 
 
 def kv_bytes_per_token(cfg: LlamaConfig, bytes_per_value: int) -> int:
-    """K and V, every layer, every K/V head: what one more token of context costs (kv_cache.py)."""
+    """K and V, every layer, every K/V head: what one more token of context costs (model/kv_pool.py)."""
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * bytes_per_value
 
 

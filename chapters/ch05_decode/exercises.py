@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 REFERENCE = {
-    "decode_attention": "tinyvllm.backend.numpy_ops:decode_attention",
+    "decode_attention": "tinyvllm.model.backend.numpy_ops:decode_attention",
 }
 # Exercises written in CUDA C: {the string you fill in: the engine's kernel file it re-implements}.
 GPU_EXERCISES = {
-    "DECODE_ATTENTION_KERNEL_SOURCE": "tinyvllm/kernels/decode_attention.cu",
+    "DECODE_ATTENTION_KERNEL_SOURCE": "tinyvllm/model/kernels/decode_attention.cu",
 }
 
 
@@ -40,7 +40,7 @@ def decode_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
     No mask: the new token is the newest position, every cached key is in its past. For each head:
       out[b, h*d:(h+1)*d] = sum_t softmax_t(q_h . k_t / sqrt(d)) v_t
 
-    Compute it as the kernel does (tinyvllm/kernels/decode_attention.cuh): cut a row's keys into a few
+    Compute it as the kernel does (tinyvllm/model/kernels/decode_attention.cuh): cut a row's keys into a few
     contiguous chunks (the kernel has one per thread group; any count gives the same result, try 32),
     and for each chunk and query head keep
       m    the chunk's largest score,
@@ -62,9 +62,10 @@ def decode_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
     raise NotImplementedError("Exercise 5.1: decode_attention")
 
 
-# Exercise 5.2 (graded on a GPU): the engine's decode attention kernel, tinyvllm/kernels/decode_attention.cu,
+# Exercise 5.2 (graded on a GPU): the engine's decode attention kernel, tinyvllm/model/kernels/decode_attention.cu,
 # in your words. Same template and arguments, so the grader launches it exactly as the engine would:
-#   compiled with cupy.RawModule(code=..., options=("-std=c++17", "-I<repo>/tinyvllm/kernels"),
+#   compiled with cupy.RawModule(code=..., options=cuda_ops.NVRTC_OPTIONS (C++17, -I<repo>/tinyvllm/model/kernels
+#   and the -D constants of tinyvllm/model/backend/constants.py: DECODE_THREADS, BF16_PER_VECTOR, ...),
 #   name_expressions=["decode_attention<64, 4>"]) and fetched with get_function("decode_attention<64, 4>")
 #   (also <64, 3>, <128, 1> and <32, 2>); GROUP = num_heads / num_kv_heads query heads per K/V head.
 # Launch: grid (num_kv_heads, n), block (256): block (j, b) computes the GROUP query heads j*GROUP ..
@@ -79,7 +80,7 @@ def decode_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
 # Speed is not graded. The simplest correct design: let warp w of the 8 handle query head w (if
 #   w < GROUP); its 32 lanes split the HEAD_DIM values of a row, walk every key in order, reduce each dot
 #   product with __shfl_xor_sync, and keep m, l and their slice of the output in registers. You may
-#   #include "common.cuh" (warp_sum, INFINITY) from tinyvllm/kernels.
+#   #include "common.cuh" (warp_sum, INFINITY) from tinyvllm/model/kernels.
 DECODE_ATTENTION_KERNEL_SOURCE = r"""
 #include <cuda_bf16.h>
 

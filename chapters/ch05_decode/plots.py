@@ -11,14 +11,14 @@ from matplotlib.figure import Figure  # no pyplot: the same code draws for files
 
 from chapters.ch05_decode import checkpoint
 from tinyvllm import reference
-from tinyvllm.config import expected_tensor_shapes, load_config
-from tinyvllm.decode import decode_step
-from tinyvllm.kv_cache import ContiguousKVCache
-from tinyvllm.model import Model
-from tinyvllm.models import PRESETS, resolve_model
-from tinyvllm.op_timer import timed_ops
-from tinyvllm.prefill import prefill
-from tinyvllm.tokenizer import Tokenizer, load_tokenizer
+from tinyvllm.formats.checkpoints import PRESETS, resolve_model
+from tinyvllm.formats.config import expected_tensor_shapes, load_config
+from tinyvllm.formats.tokenizer import Tokenizer, load_tokenizer
+from tinyvllm.model.decode import decode_step
+from tinyvllm.model.kv_pool import ContiguousKVCache
+from tinyvllm.model.model import Model
+from tinyvllm.model.op_timer import timed_ops
+from tinyvllm.model.prefill import prefill
 
 PROMPT = checkpoint.PROMPTS[0]
 CONTEXTS = [1024, 4096]   # extra context lengths for the step breakdown (the answer's own is added)
@@ -29,7 +29,7 @@ STEPS = 5                 # decode steps timed per context; the median of each o
 def engine() -> tuple[Model, Tokenizer]:
     """The default model on the CPU (NumPy twins, float32) and its tokenizer."""
     model_dir = resolve_model("default")
-    return Model(model_dir, "cpu", max_tokens=checkpoint.MAX_TOKENS), load_tokenizer(model_dir)
+    return Model(model_dir, "cpu", max_step_tokens=checkpoint.MAX_TOKENS), load_tokenizer(model_dir)
 
 
 @lru_cache(maxsize=4)
@@ -147,7 +147,7 @@ def draw_step_breakdown() -> Figure:
     right.set(xlabel="ms per decode step", title="the same step with a longer context")
     right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5, frameon=False)
     fig.suptitle(f"{model.cfg.num_hidden_layers}-layer {resolve_model('default').name}, NumPy float32 on the CPU "
-                 f"(tinyvllm.op_timer.timed_ops); GPU numbers: see bench/results/decode-*.json", fontsize=10)
+                 f"(tinyvllm.model.op_timer.timed_ops); GPU numbers: see bench/results/decode-*.json", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -157,7 +157,7 @@ def weight_bytes(cfg, bytes_per_value: int) -> int:
 
 
 def draw_kv_growth() -> Figure:
-    """KV cache bytes against context length, from the configs (kv_cache.py's formula), next to the weights."""
+    """KV cache bytes against context length, from the configs (model/kv_pool.py's formula), next to the weights."""
     smol, llama = load_config(resolve_model("default")), PRESETS["llama-3.2-1b"]
     lines = [("SmolLM2-135M, f32 (the CPU engine)", smol, 4, "#55A868", "--"),
              ("SmolLM2-135M, bf16 (the GPU engine)", smol, 2, "#55A868", "-"),

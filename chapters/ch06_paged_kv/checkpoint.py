@@ -3,8 +3,10 @@
     make chapter-6                  # python -m chapters 6: on the GPU if CuPy sees one, else on the CPU
     make chapter-6 IMPL=student     # the same, with your BlockManager (6.1) and slot_mapping (6.2) in the engine
 
-The prompts are prefilled one after another into a PagedKVCache of NUM_BLOCKS blocks, then decoded
-together, one decode_step for all of them per token. As answers grow, their new blocks interleave in the
+The prompts are prefilled one after another into a PagedKVPool of NUM_BLOCKS blocks, then decoded
+together, one decode step for all of them per token. The block manager keeps the books: for every step it
+takes the blocks and hands the model a plan (the slots to write, the block tables to read); the model
+never calls it. As answers grow, their new blocks interleave in the
 pool; one request is cancelled early (its blocks become holes) and a finished answer frees its blocks too;
 the pool is small enough that later blocks must reuse those holes. The block tables and the pool's
 occupancy are printed along the way. Then three checks:
@@ -12,9 +14,9 @@ occupancy are printed along the way. Then three checks:
       (on a GPU, 90% of the tokens: bf16 sums in another order may flip a near tie);
   (b) the block manager stayed consistent after every step (no block twice, none lost, ref counts right,
       ceil(L / 16) blocks for L tokens) and all blocks are free at the end;
-  (c) the block manager and slot_mapping in tinyvllm.block_manager (yours, with --impl student) replay the
+  (c) the block manager and slot_mapping in tinyvllm.engine.block_manager (yours, with --impl student) replay the
       run's calls exactly like a fresh copy of the engine's block_manager.py.
-Engine code is reached through its modules (paged_cache builds `block_manager.BlockManager`, which calls
+Engine code is reached through its modules (this program builds `block_manager.BlockManager`, which calls
 `block_manager.slot_mapping`), so the student's code, plugged in by --impl student, is what runs.
 """
 from __future__ import annotations
@@ -29,18 +31,17 @@ import numpy as np
 from chapters.ch01_map.checkpoint import Stage
 from chapters.ch03_prefill.checkpoint import print_table
 from chapters.ch05_decode import checkpoint as ch05
-from tinyvllm import block_manager
-from tinyvllm.backend import cuda_available
-from tinyvllm.block_manager import BLOCK_SIZE, OutOfBlocks, blocks_for
-from tinyvllm.decode import decode_step
+from tinyvllm.engine import block_manager
+from tinyvllm.engine.block_manager import BLOCK_SIZE, OutOfBlocks, blocks_for
+from tinyvllm.engine.sampling import sample
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.kv_cache import ContiguousKVCache
-from tinyvllm.model import Model
-from tinyvllm.models import resolve_model
-from tinyvllm.paged_cache import PagedKVCache, bytes_per_block
-from tinyvllm.prefill import prefill
-from tinyvllm.sampling import sample
-from tinyvllm.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from tinyvllm.formats.checkpoints import resolve_model
+from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from tinyvllm.model.backend import cuda_available
+from tinyvllm.model.decode import decode_batch
+from tinyvllm.model.kv_pool import ContiguousKVCache, PagedKVPool, bytes_per_block
+from tinyvllm.model.model import Model
+from tinyvllm.model.prefill import prefill_batch
 
 LONG_PROMPT = (
     "Here are my notes from one week of looking after a small vegetable garden. Monday: the tomatoes "
@@ -115,7 +116,7 @@ class Run:
     ended: dict[int, str] = field(default_factory=dict)           # "stop", "length" or "cancelled"
     snapshots: list[Snapshot] = field(default_factory=list)
     calls: list[tuple] = field(default_factory=list)              # the block manager calls, in order:
-    # ("allocate", seq, tokens) for a prefill, ("extend", seq, 1) per decode step, ("free", seq)
+    # ("allocate", seq, tokens) for a prefill, ("append_slot", seq) per decode step, ("free", seq)
     problems: list[str] = field(default_factory=list)             # consistency problems seen, with the step
     seconds: float = 0.0
 
@@ -127,22 +128,23 @@ def snapshot(run: Run, bm, step: int, event: str) -> None:
 
 def run_together(model: Model, tok: Tokenizer, prompts: list[list[int]], num_blocks: int = NUM_BLOCKS,
                  cancel: tuple[int, int] | None = CANCEL, on_snapshot=None) -> Run:
-    """Prefill every prompt into one PagedKVCache, then decode them all together (greedy) until each stops,
-    reaches MAX_NEW_TOKENS or is cancelled; its blocks are freed at once. on_snapshot(run, cache) is
+    """Prefill every prompt into one PagedKVPool, then decode them all together (greedy) until each stops,
+    reaches MAX_NEW_TOKENS or is cancelled; its blocks are freed at once. on_snapshot(run, blocks) is
     called after the prefills and after every decode step."""
-    cache, stops = PagedKVCache(model.cfg, model.ops, num_blocks), ch05.stop_ids(tok, model.cfg)
+    pool, stops = PagedKVPool(model.cfg, model.ops, num_blocks), ch05.stop_ids(tok, model.cfg)
+    blocks = block_manager.BlockManager(num_blocks)   # through the module: Exercise 6.1 plugs in here
     run, start = Run(prompts, num_blocks), time.perf_counter()
     rng = np.random.default_rng(0)  # greedy never draws from it
 
     def finish(seq: int, why: str) -> None:
-        cache.free(seq)
+        blocks.free(seq)
         run.calls.append(("free", seq))
         run.ended[seq] = why
 
     for seq, ids in enumerate(prompts):
-        logits, _ = prefill(model, ids, cache=cache, seq=seq)
+        plan = block_manager.plan_prefill(blocks, seq, ids)   # blocks.allocate: its slots and its table
         run.calls.append(("allocate", seq, len(ids)))
-        run.tokens[seq] = [sample(logits, ch05.GREEDY, rng)]
+        run.tokens[seq] = [sample(prefill_batch(model, pool, [plan])[0], ch05.GREEDY, rng)]
     running, step, events = list(range(len(prompts))), 0, []
     while True:
         for seq in list(running):  # an answer ends at a stop token or at MAX_NEW_TOKENS: its blocks go back
@@ -150,14 +152,15 @@ def run_together(model: Model, tok: Tokenizer, prompts: list[list[int]], num_blo
                 finish(seq, "stop" if run.tokens[seq][-1] in stops else "length")
                 running.remove(seq)
                 events.append(f"sequence {seq} finished")
-        snapshot(run, cache.blocks, step, ", ".join(events))
+        snapshot(run, blocks, step, ", ".join(events))
         if on_snapshot:
-            on_snapshot(run, cache)
+            on_snapshot(run, blocks)
         if not running:
             break
         step += 1
-        logits = decode_step(model, [run.tokens[s][-1] for s in running], cache, running)
-        run.calls += [("extend", s, 1) for s in running]  # what PagedKVCache.append asks for a running sequence
+        plan = block_manager.plan_decode(blocks, running, [run.tokens[s][-1] for s in running])  # append_slot each
+        run.calls += [("append_slot", s) for s in running]
+        logits = decode_batch(model, pool, plan)
         for row, seq in enumerate(running):
             run.tokens[seq].append(sample(logits[row], ch05.GREEDY, rng))
         events = []
@@ -166,9 +169,8 @@ def run_together(model: Model, tok: Tokenizer, prompts: list[list[int]], num_blo
             running.remove(cancel[0])
             events.append(f"sequence {cancel[0]} cancelled")
     run.seconds = time.perf_counter() - start
-    if cache.blocks.num_free != num_blocks or cache.blocks.tables:
-        run.problems.append(f"the end: {cache.blocks.num_free} of {num_blocks} blocks free, "
-                            f"{len(cache.blocks.tables)} tables left")
+    if blocks.num_free != num_blocks or blocks.tables:
+        run.problems.append(f"the end: {blocks.num_free} of {num_blocks} blocks free, {len(blocks.tables)} tables left")
     return run
 
 
@@ -197,11 +199,11 @@ def print_tables(bm, run: Run, title: str) -> None:
 
 def printer(points: set[int]):
     """An on_snapshot callback that prints the block tables at the given steps and wherever something happened."""
-    def on_snapshot(run: Run, cache: PagedKVCache) -> None:
+    def on_snapshot(run: Run, blocks) -> None:
         snap = run.snapshots[-1]
         if snap.step in points or snap.event:
             title = f"step {snap.step}" + (f": {snap.event}" if snap.event else "")
-            print_tables(cache.blocks, run, "after the prefills" if snap.step == 0 else title)
+            print_tables(blocks, run, "after the prefills" if snap.step == 0 else title)
     return on_snapshot
 
 
@@ -249,9 +251,9 @@ def check_consistency(run: Run) -> Stage:
 
 
 def engine_block_manager() -> ModuleType:
-    """A fresh copy of tinyvllm/block_manager.py: the engine's own code, even after --impl student has
+    """A fresh copy of tinyvllm/engine/block_manager.py: the engine's own code, even after --impl student has
     replaced BlockManager and slot_mapping in the imported module."""
-    spec = importlib.util.find_spec("tinyvllm.block_manager")
+    spec = importlib.util.find_spec("tinyvllm.engine.block_manager")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -269,6 +271,8 @@ def replay(module, calls: list[tuple], num_blocks: int) -> list:
                 result = bm.allocate(call[1], call[2]).tolist()
             elif call[0] == "extend":
                 result = bm.extend(call[1], call[2]).tolist()
+            elif call[0] == "append_slot":
+                result = int(bm.append_slot(call[1]))
             else:
                 result = bm.free(call[1])
         except TinyVLLMError as e:  # OutOfBlocks of either copy: compared by name
@@ -279,7 +283,7 @@ def replay(module, calls: list[tuple], num_blocks: int) -> list:
 
 
 def check_exercises(run: Run) -> Stage:
-    """(c) tinyvllm.block_manager's BlockManager and slot_mapping (the student's, once plugged in) against
+    """(c) tinyvllm.engine.block_manager's BlockManager and slot_mapping (the student's, once plugged in) against
     the engine's: the run's calls replayed on both, and every block table of the run mapped by both."""
     start, engine = time.perf_counter(), engine_block_manager()
     ours, theirs = replay(block_manager, run.calls, run.num_blocks), replay(engine, run.calls, run.num_blocks)

@@ -4,21 +4,22 @@ Both are graded on the CPU. Fill them in, then:
 
     make grade CH=6                   # pytest -m ch6 --impl=student: the graders
     make chapter-6 IMPL=student       # the chapter's checkpoint, with your BlockManager and slot_mapping
-                                      # inside the engine's PagedKVCache
+                                      # planning every step of the engine's PagedKVPool
 
-`--impl student` replaces tinyvllm.block_manager.BlockManager and tinyvllm.block_manager.slot_mapping with
-yours; the engine's PagedKVCache then builds your class, and its slot lookups call your function.
+`--impl student` replaces tinyvllm.engine.block_manager.BlockManager and tinyvllm.engine.block_manager.slot_mapping with
+yours; the checkpoint (and chapter 7's Scheduler) then builds your class, plan_prefill and plan_decode
+call its methods, and its slot lookups call your function. The model only reads the plans they return.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm import block_manager
-from tinyvllm.block_manager import BLOCK_SIZE, OutOfBlocks, blocks_for  # noqa: F401  (for your solution)
+from tinyvllm.engine import block_manager
+from tinyvllm.engine.block_manager import BLOCK_SIZE, OutOfBlocks, blocks_for  # noqa: F401  (for your solution)
 
 REFERENCE = {
-    "BlockManager": "tinyvllm.block_manager:BlockManager",
-    "slot_mapping": "tinyvllm.block_manager:slot_mapping",
+    "BlockManager": "tinyvllm.engine.block_manager:BlockManager",
+    "slot_mapping": "tinyvllm.engine.block_manager:slot_mapping",
 }
 
 
@@ -55,12 +56,14 @@ class BlockManager:
                    sequence takes it; chapter 7 shares prompt blocks between sequences, so a block goes
                    back to the free list only when its count drops to 0).
       tables       dict {sequence id: list of its physical block ids, logical block 0 first}.
-      lengths      dict {sequence id: tokens it holds}. PagedKVCache keeps this very dict as its own
-                   `lengths` (it never rebinds it): update it in place, never replace it.
+      lengths      dict {sequence id: tokens it holds}. plan_decode reads lengths[seq] as the position of
+                   the sequence's next token, before append_slot moves it on.
 
     Invariants after every call: every block is either on the free list or in some table, never both,
     never twice on the free list, never lost; a sequence of L tokens holds exactly ceil(L / 16) blocks
-    (blocks_for(L)); its slots are slot_mapping(tables[seq], 0, L).
+    (blocks_for(L)); its slots are slot_mapping(tables[seq], 0, L). A step plan hands the model
+    tables[seq] itself, not a copy, and chapter 7's CUDA graphs recognise the list to copy only its new
+    blocks: grow a running sequence's table in place (append, +=); a new list costs a full rewrite.
 
     Chapter 7's scheduler also calls three planning methods, blocks_to_append, blocks_to_admit and
     admit. They are not part of this exercise and are written for you at the end of the class (they
@@ -98,7 +101,7 @@ class BlockManager:
     def append_slot(self, seq: int) -> int:
         """The slot (an int) of sequence seq's next token, taking a new block when the last one is full.
 
-        A sequence of L tokens gets a new block exactly when L % 16 == 0 (its blocks are full), taken
+        What plan_decode calls for every running sequence at every step. A sequence of L tokens gets a new block exactly when L % 16 == 0 (its blocks are full), taken
         from the left of the free list and appended to its table. If none is free, raise OutOfBlocks
         and change nothing (lengths[seq] stays L). Otherwise lengths[seq] becomes L + 1.
         (It is extend(seq, 1) with one slot.)
@@ -108,9 +111,9 @@ class BlockManager:
     def extend(self, seq: int, count: int) -> np.ndarray:
         """Slots for `count` more tokens of a sequence that has blocks, taking new blocks as needed.
 
-        What the engine calls for a running sequence (a decode step: count = 1). A sequence of L tokens
-        needs blocks_for(L + count) - len(its table) new blocks, taken from the left of the free list and
-        appended to its table in that order. If fewer are free, raise OutOfBlocks and change nothing.
+        What plan_prefill calls for a sequence that already has blocks (a prompt after its cached
+        prefix, chapter 7). A sequence of L tokens needs blocks_for(L + count) - len(its table) new
+        blocks, taken from the left of the free list and appended to its table in that order. If fewer are free, raise OutOfBlocks and change nothing.
         Otherwise lengths[seq] becomes L + count; return the slots of tokens L .. L + count - 1 (int32).
         """
         raise NotImplementedError("Exercise 6.1: BlockManager.extend")

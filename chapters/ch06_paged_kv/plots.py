@@ -9,12 +9,12 @@ from matplotlib.figure import Figure  # no pyplot: the same code draws for files
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from chapters.ch06_paged_kv import checkpoint
-from tinyvllm.block_manager import BLOCK_SIZE, blocks_for
-from tinyvllm.config import LlamaConfig, load_config
-from tinyvllm.model import Model
-from tinyvllm.models import PRESETS, resolve_model
-from tinyvllm.paged_cache import bytes_per_block
-from tinyvllm.tokenizer import load_tokenizer
+from tinyvllm.engine.block_manager import BLOCK_SIZE, blocks_for
+from tinyvllm.formats.checkpoints import PRESETS, resolve_model
+from tinyvllm.formats.config import LlamaConfig, load_config
+from tinyvllm.formats.tokenizer import load_tokenizer
+from tinyvllm.model.kv_pool import bytes_per_block
+from tinyvllm.model.model import Model
 
 SEQ_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 FREE_COLOR = "#F2F2F2"
@@ -25,7 +25,7 @@ def workload() -> checkpoint.Run:
     """The checkpoint's five prompts, prefilled into one pool of checkpoint.NUM_BLOCKS blocks and decoded
     together on the CPU (greedy, sequence 1 cancelled after step 8), every step's block tables kept."""
     model_dir = resolve_model("default")
-    model, tok = Model(model_dir, "cpu", max_tokens=checkpoint.MAX_TOKENS), load_tokenizer(model_dir)
+    model, tok = Model(model_dir, "cpu", max_step_tokens=checkpoint.MAX_TOKENS), load_tokenizer(model_dir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in checkpoint.PROMPTS]
     return checkpoint.run_together(model, tok, prompts)
 

@@ -34,10 +34,9 @@ from chapters.ch03_prefill.checkpoint import print_table
 from chapters.ch05_decode import checkpoint as ch05
 from chapters.ch06_paged_kv.checkpoint import GPU_AGREEMENT, token_agreement
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.backend import cuda_available
-from tinyvllm.block_manager import BlockManager
-from tinyvllm.models import resolve_model
-from tinyvllm.sequence import Sequence
+from tinyvllm.engine.sequence import Sequence
+from tinyvllm.formats.checkpoints import resolve_model
+from tinyvllm.model.backend import cuda_available
 
 PROMPTS = ch05.PROMPTS + [
     "Why is the sea salty?", "Write a haiku about autumn.", "List three prime numbers.", "What is Python?",
@@ -113,7 +112,7 @@ def warm_up(llm: LLM, prompts: list[list[int]]) -> float:
 def run_continuous(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
                    use_tqdm: bool = sys.stderr.isatty()) -> Run:  # no bar in a log (make course, CI)
     """Every request submitted at once: the scheduler refills a slot as soon as it frees."""
-    engine, first_step = llm.llm_engine, llm.llm_engine.steps
+    engine, first_step = llm.engine, llm.engine.steps
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     seconds = time.perf_counter() - start
@@ -125,7 +124,7 @@ def run_continuous(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
 
 def run_static(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], batch: int) -> Run:
     """Fixed batches: submit `batch` requests, step until the engine is empty, then the next batch."""
-    engine, first_step = llm.llm_engine, llm.llm_engine.steps
+    engine, first_step = llm.engine, llm.engine.steps
     waves = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
     seqs: list[Sequence] = []
     start = time.perf_counter()
@@ -140,7 +139,7 @@ def run_static(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
 
 def limits(llm: LLM, prompts: list[list[int]]) -> tuple[list[int], int, int]:
     """What a replay of a run needs besides its tokens: the prompt lengths and the scheduler's limits."""
-    sched = llm.llm_engine.scheduler
+    sched = llm.engine.scheduler
     return [len(p) for p in prompts], sched.max_num_seqs, sched.max_num_batched_tokens
 
 
@@ -184,7 +183,7 @@ def check_answers(name: str, run: Run, alone: list[list[int]], device: str) -> S
 
 def check_pool(llm: LLM, runs: list[Run]) -> Stage:
     """(c) the pool after every run (the last run leaves it as the check finds it now)."""
-    blocks, engine = llm.cache.blocks, llm.llm_engine
+    blocks, engine = llm.engine.scheduler.blocks, llm.engine
     ends = [r.trace[-1]["free_blocks"] for r in runs]
     ok = all(e == NUM_BLOCKS for e in ends) and blocks.num_free == NUM_BLOCKS and not blocks.tables \
         and not engine.has_work()
@@ -193,9 +192,9 @@ def check_pool(llm: LLM, runs: list[Run]) -> Stage:
 
 
 def engine_scheduler() -> ModuleType:
-    """A fresh copy of tinyvllm/scheduler.py: the engine's own admit and choose_victim, even after
+    """A fresh copy of tinyvllm/engine/scheduler.py: the engine's own admit and choose_victim, even after
     --impl student has replaced them in the imported module."""
-    spec = importlib.util.find_spec("tinyvllm.scheduler")
+    spec = importlib.util.find_spec("tinyvllm.engine.scheduler")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -203,10 +202,9 @@ def engine_scheduler() -> ModuleType:
 
 def replay(module: ModuleType, run: Run, num_blocks: int = NUM_BLOCKS) -> list[tuple]:
     """The run's scheduling without a model, by module.Scheduler: each request generates exactly as many
-    tokens as it did in the run, its blocks taken as the engine takes them (prefill: the whole sequence;
-    decode: one slot). Per step: (prefill ids, decode ids, preempted ids, free blocks after it)."""
-    blocks = BlockManager(num_blocks)
-    sched = module.Scheduler(blocks, run.max_num_seqs, run.budget)
+    tokens as it did in the run; the scheduler takes the blocks itself, as it does in the engine, and its
+    plan goes nowhere. Per step: (prefill ids, decode ids, preempted ids, free blocks after it)."""
+    sched = module.Scheduler(num_blocks, run.max_num_seqs, run.budget)
     steps = []
     for wave in run.waves:
         for i in wave:
@@ -214,16 +212,12 @@ def replay(module: ModuleType, run: Run, num_blocks: int = NUM_BLOCKS) -> list[t
                                len(run.tokens[i]), set(), decoder=None))
         while sched.has_work():
             plan = sched.schedule()
-            for seq in plan.prefills:
-                blocks.allocate(seq.seq_id, len(seq))
-            for seq in plan.decodes:
-                blocks.extend(seq.seq_id, 1)
             for seq in plan.prefills + plan.decodes:
                 seq.output_ids.append(0)
                 if len(seq.output_ids) == seq.max_tokens:
                     sched.finish(seq)
             steps.append(([s.seq_id for s in plan.prefills], [s.seq_id for s in plan.decodes],
-                          [s.seq_id for s in plan.preempted], blocks.num_free))
+                          [s.seq_id for s in plan.preempted], sched.blocks.num_free))
     return steps
 
 

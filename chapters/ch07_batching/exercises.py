@@ -7,17 +7,18 @@ inside the real engine on a tiny random model. Fill them in, then:
     make chapter-7 IMPL=student       # the chapter's checkpoint, with your admit and choose_victim
                                       # inside the engine's Scheduler
 
-`--impl student` replaces tinyvllm.scheduler.admit and tinyvllm.scheduler.choose_victim with yours;
-Scheduler.schedule calls them through the module, so every step of the engine then runs your code.
+`--impl student` replaces tinyvllm.engine.scheduler.admit and tinyvllm.engine.scheduler.choose_victim with yours;
+Scheduler.decide calls them through the module, so every step of the engine then runs your code. Both
+decide on counts: no block leaves the free list until Scheduler.allocate writes the step's plan.
 """
 from __future__ import annotations
 
-from tinyvllm.scheduler import Scheduler, Step
-from tinyvllm.sequence import Sequence, Status  # noqa: F401  (for your solution)
+from tinyvllm.engine.scheduler import Scheduler, Step
+from tinyvllm.engine.sequence import Sequence, Status  # noqa: F401  (for your solution)
 
 REFERENCE = {
-    "admit": "tinyvllm.scheduler:admit",
-    "choose_victim": "tinyvllm.scheduler:choose_victim",
+    "admit": "tinyvllm.engine.scheduler:admit",
+    "choose_victim": "tinyvllm.engine.scheduler:choose_victim",
 }
 
 
@@ -26,8 +27,9 @@ def admit(scheduler: Scheduler, step: Step, free: int) -> None:
     room in the step's token budget, and `free` blocks (those not yet promised this step). Each one
     admitted goes into step.prefills; the first that does not fit ends admission (FIFO).
 
-    Exercise 7.1. Scheduler.schedule calls this after the running sequences have claimed their blocks
-    for this step's decode; what you may use:
+    Exercise 7.1. Scheduler.decide calls this after the running sequences have been promised their blocks
+    for this step's decode (promised, not taken: Scheduler.allocate takes the step's free blocks once
+    decide is done); what you may use:
       scheduler.waiting                 a collections.deque of Sequence, the next one on the LEFT
       scheduler.running                 a list of Sequence, in admission order (append to it)
       scheduler.max_num_seqs            how many sequences may run at once (running included)
@@ -37,7 +39,8 @@ def admit(scheduler: Scheduler, step: Step, free: int) -> None:
           blocks.admit(seq.seq_id, seq.token_ids) -> int  start it; returns how many of its tokens are
                                                           already cached (prefix caching; 0 without it)
       free                              free blocks NOT yet promised this step: use it, not
-                                        blocks.num_free (the decodes of this step already claimed some)
+                                        blocks.num_free (it still counts the blocks promised to this
+                                        step's decodes)
 
     Look at the sequence at the head of the queue, waiting[0]. It is admitted if
       - len(scheduler.running) < max_num_seqs,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -15,10 +16,10 @@ from matplotlib.patches import Patch
 
 from chapters.ch07_batching import checkpoint, server_demo
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.block_manager import BLOCK_SIZE
-from tinyvllm.engine import Engine
-from tinyvllm.models import resolve_model
-from tinyvllm.paged_cache import PagedKVCache
+from tinyvllm.engine.block_manager import BLOCK_SIZE
+from tinyvllm.engine.engine import Engine
+from tinyvllm.formats.checkpoints import resolve_model
+from tinyvllm.model.kv_pool import PagedKVPool
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)   # max_num_seqs for the throughput figure
 THROUGHPUT_TOKENS = 8                # output tokens per request there (ignore_eos: exactly that many)
@@ -55,8 +56,9 @@ def cpu_llm() -> LLM:
 
 def engine_on(llm: LLM, max_num_seqs: int = 256, prefix_caching: bool = False, num_blocks: int = 256) -> Engine:
     """A fresh Engine (empty pool, new scheduler) over the LLM's model: settings without reloading weights."""
-    cache = PagedKVCache(llm.config, llm.engine.ops, num_blocks, prefix_caching=prefix_caching)
-    return Engine(llm.engine, llm.tokenizer, cache, set(llm.stop_token_ids), max_num_seqs)
+    config = replace(llm.engine.config, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
+                     num_blocks=num_blocks)
+    return Engine(config, llm.model, PagedKVPool(llm.model_config, llm.model.ops, num_blocks), llm.tokenizer)
 
 
 @lru_cache(maxsize=1)
@@ -105,7 +107,7 @@ def measure_prefix_cache(questions=SHARED_QUESTIONS) -> dict:
             seqs.append(engine.add_request(p, one))
             engine.step()
             if caching:
-                hit_rate.append(engine.cache.blocks.hits / engine.cache.blocks.queries)
+                hit_rate.append(engine.scheduler.blocks.hits / engine.scheduler.blocks.queries)
         key = "cached" if caching else "plain"
         out[key] = {"computed": [len(s.prompt_ids) - s.num_cached for s in seqs], "hit_rate": hit_rate,
                     "seconds": time.perf_counter() - start}
@@ -113,7 +115,7 @@ def measure_prefix_cache(questions=SHARED_QUESTIONS) -> dict:
     for p in prompts:  # all in one step: nothing is cached yet when they are admitted together
         engine.add_request(p, one)
     engine.step()
-    out["together_hit_rate"] = engine.cache.blocks.hits / engine.cache.blocks.queries
+    out["together_hit_rate"] = engine.scheduler.blocks.hits / engine.scheduler.blocks.queries
     return out
 
 

@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 from matplotlib.figure import Figure
 
-from tinyvllm.engine_core import EngineSettings
-from tinyvllm.server import Server
+from tinyvllm.engine.engine_config import EngineConfig
+from tinyvllm.entrypoints.server import Server
 
 QUESTIONS = ("What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
              "Write a haiku about rain.", "What does a CPU do?", "Give me a synonym for happy.",
@@ -47,7 +47,7 @@ def stream_chat(url: str, question: str, max_tokens: int) -> dict:
     return {"question": question, "text": "".join(pieces), "start": start, "piece_times": times}
 
 
-def run_clients(settings: EngineSettings, questions=QUESTIONS, every: int = EVERY, max_tokens=MAX_TOKENS) -> dict:
+def run_clients(settings: EngineConfig, questions=QUESTIONS, every: int = EVERY, max_tokens=MAX_TOKENS) -> dict:
     """Start a server (port 0: any free one; its engine in a process of its own), send a new client every
     `every` engine steps, wait. Returns each client's answer and timings, and the engine's steps."""
     server = Server(settings, "default", port=0, log_level="warning").start()
@@ -76,7 +76,7 @@ def run_clients(settings: EngineSettings, questions=QUESTIONS, every: int = EVER
 
 @lru_cache(maxsize=1)
 def measure() -> dict:
-    return run_clients(EngineSettings("default", "cpu", num_blocks=256))   # the pool of the notebook's other LLMs
+    return run_clients(EngineConfig("default", "cpu", num_blocks=256))   # the pool of the notebook's other LLMs
 
 
 def draw_server_batch(run: dict | None = None) -> Figure:

@@ -1,0 +1,334 @@
+"""Chapter 7: the engine core, a process of its own that only runs steps.
+
+A server has two jobs that compete for one Python interpreter: the HTTP side (parse JSON, render chat
+templates, detokenize, write a server-sent event per token for every client) and the engine loop (plan
+a step, launch the kernels, sample). In one process they share one GIL, so every event written is a
+step delayed. vLLM's answer, and ours: the engine core runs in its own process and talks to the API
+server over two ZeroMQ sockets —
+
+    API server --- commands: Add(request), Abort(request id), None (shut down) ---> engine core
+    API server <-- one Report per step: new tokens per request, queue sizes ---- engine core
+
+The engine core does not detokenize token by token (the API side does, while the next step runs), except
+when stop strings need the text to decide where the output ends; its Update carries token ids. Nothing a request carries can
+stop this loop: a request that fails, fails alone (its Update carries the error), and the loop goes on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, NamedTuple
+
+import zmq
+
+from tinyvllm.engine.engine_config import EngineConfig
+from tinyvllm.engine.sampling import SamplingParams
+from tinyvllm.engine.sequence import Sequence, Status
+from tinyvllm.errors import TinyVLLMError
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 600      # loading a model (and compiling kernels) on a cold machine takes minutes at worst
+POLL_MS = 500              # how often the API side checks that the engine process is still alive
+
+
+# ---- the messages (tuples pickle fast: one Report per step may carry hundreds of Updates) ----
+
+class Add(NamedTuple):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    after: str | None = None          # sample 0 of the same prompt (n > 1): with prefix caching, start once
+                                      # it is prefilled, so this sample finds the prompt's blocks cached
+
+
+class Abort(NamedTuple):
+    request_id: str
+
+
+class Update(NamedTuple):
+    """What one request got in one step."""
+    request_id: str
+    token_ids: list[int]              # new tokens since the last Update
+    logprobs: list | None             # one {token id: Logprob} per new token, if the request asked
+    text: str | None                  # new text, only when the engine detokenizes (stop strings)
+    finish_reason: str | None         # "stop", "length", "abort" or "error" once it is finished
+    error: str | None = None          # why it failed ("error" finish), one line
+
+
+@dataclass
+class Stats:
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    num_blocks: int = 0
+    steps: int = 0
+    prefix_cache_queries: int = 0     # prompt tokens admitted so far (recomputed ones included)
+    prefix_cache_hits: int = 0        # of which found in the prefix cache, not computed
+
+
+class Report(NamedTuple):
+    updates: list[Update]
+    stats: Stats
+    step: dict | None                 # who prefilled, decoded, was preempted (request ids), for the chapter's plots
+
+
+# ---- the engine process ----
+
+class EngineCore:
+    """The loop in the engine process: apply commands, run one step, report. Blocks only when idle."""
+    def __init__(self, engine, commands: zmq.Socket, reports: zmq.Socket):
+        self.engine, self.commands, self.reports = engine, commands, reports
+        self.requests: dict[str, Sequence] = {}      # request id -> its sequence, while it waits or runs
+        self.deferred: list[Add] = []                # samples waiting for their sample 0's prefill
+        self.names: dict[int, str] = {}              # sequence id -> request id
+        self.sent: dict[str, int] = {}               # request id -> tokens already reported
+        self.steps, self.started, self.parent = 0, time.perf_counter(), os.getppid()
+        self.queries = self.hits = 0                 # prefix cache: tokens admitted, tokens found cached
+
+    def run(self) -> None:
+        busy = idle = 0.0                                          # seconds in steps, and waiting for work
+        while True:
+            updates: list[Update] = []
+            was_idle = not self.engine.has_work() and not self.deferred   # a sample 0 done at once frees its siblings
+            start = time.perf_counter()
+            while was_idle and not self.commands.poll(POLL_MS):   # idle: sleep until a command arrives
+                if os.getppid() != self.parent:                     # the API server is gone: so are we
+                    return log.warning("the API server process is gone; the engine stops")
+            idle += time.perf_counter() - start if was_idle else 0.0
+            while self.commands.poll(0):
+                command = pickle.loads(self.commands.recv())
+                if command is None:
+                    return log.info("%d steps: %.2f s in steps, %.2f s in between, %.2f s idle", self.steps,
+                                    busy, time.perf_counter() - self.started - busy - idle, idle)
+                self._apply(command, updates)
+            for command in self._ready_samples():
+                self._apply(command, updates)
+            stepping = time.perf_counter()
+            step = self._step(updates) if self.engine.has_work() else None
+            busy += time.perf_counter() - stepping
+            self.reports.send(pickle.dumps(Report(updates, self.stats(), step), pickle.HIGHEST_PROTOCOL))
+
+    def _apply(self, command: Add | Abort, updates: list[Update]) -> None:
+        if isinstance(command, Abort):
+            self.deferred = [add for add in self.deferred if add.request_id != command.request_id]
+            if command.request_id in self.requests:
+                self.engine.abort(self._forget(command.request_id))   # its blocks are back in the pool now
+            return
+        if command.after is not None and self.engine.config.enable_prefix_caching and self._prefilling(command.after):
+            return self.deferred.append(command)
+        try:   # the API side checked the request; anything raised here still fails this request only
+            seq = self.engine.add_request(command.prompt_ids, command.params, stream=False, detokenize=False)
+        except Exception as e:
+            if not isinstance(e, TinyVLLMError):
+                log.exception("adding request %s failed", command.request_id)
+            updates.append(Update(command.request_id, [], None, None, "error", one_line(e)))
+            return
+        self.requests[command.request_id], self.sent[command.request_id] = seq, 0
+        self.names[seq.seq_id] = command.request_id
+
+    def _prefilling(self, request_id: str) -> bool:
+        seq = self.requests.get(request_id)
+        return seq is not None and not seq.output_ids
+
+    def _ready_samples(self) -> list[Add]:
+        ready = [add for add in self.deferred if not self._prefilling(add.after)]
+        self.deferred = [add for add in self.deferred if add not in ready]
+        return ready
+
+    def _forget(self, request_id: str) -> Sequence:
+        seq = self.requests.pop(request_id)
+        del self.sent[request_id], self.names[seq.seq_id]
+        return seq
+
+    def _step(self, updates: list[Update]) -> dict | None:
+        try:
+            released = self.engine.step()
+        except Exception as e:   # not one request's fault (the model failed): fail those in flight, go on
+            log.exception("engine step failed")
+            for request_id in list(self.requests):
+                self.engine.abort(self._forget(request_id))
+                updates.append(Update(request_id, [], None, None, "error", f"the engine failed: {one_line(e)}"))
+            return None
+        self.steps += 1
+        for seq_id in self.engine.trace[-1]["prefill"]:
+            seq = self.requests.get(self.names.get(seq_id))
+            if seq is not None:
+                self.queries += len(seq) - 1      # what it prefilled: all but the token it just sampled
+                self.hits += seq.num_cached
+        record = {key: [self.names.get(i, i) for i in value] if isinstance(value, list) else value
+                  for key, value in self.engine.trace[-1].items()}   # sequence ids -> request ids
+        record["step"] = self.steps
+        for seq, text in released:
+            request_id = self.names.get(seq.seq_id)
+            if request_id is not None:
+                updates.append(self._update(request_id, seq, text))
+                if seq.status is Status.FINISHED:
+                    self._forget(request_id)
+        return record
+
+    def _update(self, request_id: str, seq: Sequence, text: str) -> Update:
+        start, self.sent[request_id] = self.sent[request_id], len(seq.output_ids)
+        logprobs = seq.logprobs[start:] if seq.logprobs is not None else None
+        finish_reason = seq.finish_reason if seq.status is Status.FINISHED else None
+        return Update(request_id, seq.output_ids[start:], logprobs, text if seq.incremental else None,
+                      finish_reason, seq.error)
+
+    def stats(self) -> Stats:
+        scheduler = self.engine.scheduler
+        return Stats(len(scheduler.running), len(scheduler.waiting), scheduler.blocks.num_free, scheduler.blocks.num_blocks,
+                     self.steps, self.queries, self.hits)
+
+
+def one_line(e: BaseException) -> str:
+    return (str(e) or type(e).__name__).splitlines()[0]
+
+
+def run_engine_core(config: EngineConfig, commands_address: str, reports_address: str) -> None:
+    """The engine process's main: build the LLM, say ready (or why not), loop until shut down."""
+    context = zmq.Context()
+    commands, reports = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    commands.connect(commands_address)
+    reports.connect(reports_address)
+    try:
+        from tinyvllm.engine.engine import Engine  # the model code: only the engine process needs it
+        engine = Engine.from_config(config)
+    except Exception as e:   # a bad model path or file: the API side reports it as the user's mistake
+        if not isinstance(e, TinyVLLMError):
+            log.exception("the engine failed to start")
+        reports.send(pickle.dumps(("failed", one_line(e), isinstance(e, TinyVLLMError))))
+        return
+    reports.send(pickle.dumps(("ready", engine_info(engine))))
+    EngineCore(engine, commands, reports).run()
+    reports.send(pickle.dumps(("closed",)))   # the API side's reader stops on it
+    commands.close(linger=0)
+    reports.close(linger=1000)                # a second to deliver "closed", if anyone still listens
+    context.term()
+
+
+def engine_info(engine) -> dict:
+    """What the API side needs to check requests before they reach the engine."""
+    config = engine.config
+    return {"max_model_len": config.max_model_len, "max_prompt_tokens": config.max_num_batched_tokens,
+            "vocab_size": engine.model.cfg.vocab_size, "num_blocks": config.num_blocks, "device": config.device,
+            "max_num_seqs": config.max_num_seqs, "model_dir": str(engine.model.model_dir)}
+
+
+# ---- the API side's handle on the engine process ----
+
+@dataclass
+class EngineClient:
+    """Starts the engine process and talks to it. `on_report` runs (in a reader thread) for every Report."""
+    config: EngineConfig
+    in_thread: bool = False                 # tests: the engine in a thread of this process, to inject faults
+    info: dict = field(default_factory=dict)
+    stats: Stats = field(default_factory=Stats)
+    dead: str | None = None                 # why the engine is gone, once it is
+    on_report: Callable[[Report], None] | None = None
+    on_death: Callable[[str], None] | None = None
+
+    def __post_init__(self):
+        self._dir = tempfile.mkdtemp(prefix="tinyvllm-")
+        self._context = zmq.Context()
+        self._context.setsockopt(zmq.LINGER, 0)   # never block this process's exit on an undelivered message
+        self._commands, self._reports = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
+        addresses = [f"ipc://{self._dir}/commands", f"ipc://{self._dir}/reports"]
+        self._commands.bind(addresses[0])
+        self._reports.bind(addresses[1])
+        self._lock = threading.Lock()       # sends come from the event loop and from shutdown
+        if self.in_thread:
+            self.process = threading.Thread(target=run_engine_core, args=(self.config, *addresses),
+                                            name="tinyvllm-engine", daemon=True)
+            self.process.start()
+        else:   # a fresh interpreter: no fork of this one's threads, no re-import of the caller's script
+            self.process = subprocess.Popen([sys.executable, "-m", "tinyvllm.engine.engine_core",
+                                             json.dumps(asdict(self.config)), *addresses])
+        self._wait_ready()
+        self._reader = threading.Thread(target=self._read, name="tinyvllm-reports", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._reports.poll(POLL_MS):
+            if not self.alive() or time.monotonic() > deadline:
+                self.close()
+                raise TinyVLLMError("the engine process stopped while loading the model; run with --debug "
+                                    "to see why")
+        message = pickle.loads(self._reports.recv())
+        if message[0] == "failed":
+            self.close()
+            if message[2]:
+                raise TinyVLLMError(message[1])
+            raise RuntimeError(f"the engine failed to start: {message[1]}")
+        self.info = message[1]
+
+    def _read(self) -> None:
+        while True:
+            if not self._reports.poll(POLL_MS):
+                if not self.alive():
+                    return self._died("the engine process stopped")
+                continue
+            report = pickle.loads(self._reports.recv())
+            if not isinstance(report, Report):   # ("closed",): the engine has shut down
+                return
+            self.stats = report.stats
+            if self.on_report is not None:
+                self.on_report(report)
+
+    def alive(self) -> bool:
+        return self.process.is_alive() if self.in_thread else self.process.poll() is None
+
+    def _died(self, reason: str) -> None:
+        self.dead = reason
+        log.error("%s; requests in flight fail and /health reports 503", reason)
+        if self.on_death is not None:
+            self.on_death(reason)
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, after: str | None = None) -> None:
+        self._send(Add(request_id, prompt_ids, params, after))
+
+    def abort(self, request_id: str) -> None:
+        self._send(Abort(request_id))
+
+    def _send(self, command) -> None:
+        with self._lock:
+            self._commands.send(pickle.dumps(command, pickle.HIGHEST_PROTOCOL))
+
+    def close(self) -> None:
+        """Ask the engine to stop, wait a moment, then make sure it has."""
+        if self.alive():
+            self._send(None)
+            if self.in_thread:
+                self.process.join(timeout=10)
+            else:
+                try:
+                    self.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+        if getattr(self, "_reader", None) is not None:
+            self._reader.join(timeout=2 * POLL_MS / 1000)
+        self._commands.close(linger=0)
+        self._reports.close(linger=0)
+        self._context.term()
+        for name in ("commands", "reports"):
+            try:
+                os.unlink(f"{self._dir}/{name}")
+            except FileNotFoundError:
+                pass
+        os.rmdir(self._dir)
+
+
+
+if __name__ == "__main__":   # python -m tinyvllm.engine.engine_core SETTINGS_JSON COMMANDS_ADDRESS REPORTS_ADDRESS
+    from tinyvllm.engine import engine_core  # the module's own classes, not __main__'s copies: pickles must match
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the API server stops us
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine_core.run_engine_core(engine_core.EngineConfig(**json.loads(sys.argv[1])), sys.argv[2], sys.argv[3])

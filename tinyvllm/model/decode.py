@@ -1,0 +1,42 @@
+"""Chapter 5: one decode step — the next token of every running sequence, from the KV pool.
+
+Each sequence contributes ONE row, so the projections are (n x hidden) x (hidden x out) with n the
+number of sequences: at n = 1 a matrix-vector product that reads every weight once to do 2 FLOPs per
+weight. Decode is bound by memory bandwidth, not FLOPs; the floor for a step is
+
+    weight bytes / bandwidth  (2.5 GB / ~4.2 TB/s = 0.6 ms for Llama 3.2 1B in bf16 on an H200)
+
+The layer is prefill's (run_layers in model.py), with two changes: RoPE rotates each row at its own
+sequence's position, and attention reads the new query against the pool instead of the prompt:
+
+    residual --add_rms_norm--> normed --gemm--> qkv --rope(positions)--> qkv --store_kv--> pool
+    --decode_attention(pool)--> attn_out --gemm--> delta ... (the MLP as in prefill)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.model.model import Model, final_logits, run_layers
+from tinyvllm.model.step_plan import SeqStep
+
+
+def decode_batch(model: Model, pool, steps: list[SeqStep]):
+    """One new token per sequence, as planned (steps[b]: its token, position, slot and block table);
+    returns the next-token logits, (n, vocab) fp32 on the model's device."""
+    ops, H = model.ops, model.cfg.num_attention_heads
+    columns = [[s.token_ids[0] for s in steps], [s.start for s in steps], [int(s.slots[0]) for s in steps]]
+    ids, positions, slots = (ops.to_device(np.asarray(c, dtype=np.int32)) for c in columns)
+    where = pool.where(steps, [s.end for s in steps])   # where each sequence's keys are: once per step
+    attention = getattr(ops, pool.attention)            # decode_attention, or paged_attention (chapter 6)
+
+    def attend(layer: int, qkv, attn) -> None:
+        attention(qkv, pool.k[layer], pool.v[layer], *where, attn, H)
+
+    residual, delta = run_layers(model, ids, positions, slots, pool, attend)
+    return final_logits(model, residual, delta, slice(0, len(steps)))
+
+
+def decode_step(model: Model, tokens: list[int], cache, seqs: list[int]):
+    """Chapter 5's form: append tokens[b] (the newest, not yet cached) to sequence seqs[b] of a contiguous
+    cache, which hands out the slots, and return the next-token logits, (n, vocab) fp32."""
+    return decode_batch(model, cache, cache.plan_decode(seqs, tokens))

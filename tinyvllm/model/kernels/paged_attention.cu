@@ -1,0 +1,33 @@
+// Chapter 6 — paged decode attention: chapter 5's decode attention, reading each sequence's keys through
+// its block table. Token t of row b lives in physical block block_tables[b][t / BLOCK_SIZE], at offset
+// t % BLOCK_SIZE (BLOCK_SIZE = 16 tokens, tinyvllm/model/kv_pool.py);
+// the last block may be partly filled (t < lengths[b] says which slots are real). The online softmax,
+// the GQA grouping and the merge are chapter 5's, in decode_attention.cuh.
+// Launch: grid (num_kv_heads, n, splits), block (DECODE_THREADS = 256); instantiated per (HEAD_DIM, GROUP).
+//   splits > 1 (few sequences, chapter 7): block z takes the z-th of `splits` equal stretches of the
+//   context and writes to partial (n, num_heads, splits, HEAD_DIM + 2) fp32; merge_splits then writes out.
+// Layout: qkv bf16 (n, qkv_stride), Q heads from column 0; k_cache, v_cache bf16 (num_blocks * BLOCK_SIZE,
+//   kv_heads, HEAD_DIM) — one layer of the pool; block_tables int32 (n, max_blocks), -1 past the end;
+//   lengths int32 (n,); out bf16 (n, out_stride), heads side by side.
+#ifndef BLOCK_SIZE
+#error "BLOCK_SIZE comes from Python (tinyvllm/model/kv_pool.py, passed on by backend/constants.py) through -D"
+#endif
+#include "decode_attention.cuh"  // which stops unless DECODE_THREADS and BF16_PER_VECTOR come through -D
+
+template <int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(DECODE_THREADS)
+paged_attention(const __nv_bfloat16* qkv, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+                const int* block_tables, int max_blocks, const int* lengths, __nv_bfloat16* out, int num_kv_heads,
+                int qkv_stride, int out_stride, float scale, float* partial) {
+    const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int* table = block_tables + (long long)b * max_blocks;
+    const long long head_offset = (long long)kv_head * HEAD_DIM;
+    const int span = (lengths[b] + splits - 1) / splits, begin = split * span;
+    float* mine = splits > 1 ? partial + (((long long)b * num_kv_heads + kv_head) * GROUP * splits + split) * (HEAD_DIM + 2)
+                             : nullptr;
+    decode_attention_block<HEAD_DIM, GROUP>(
+        qkv + (long long)b * qkv_stride + kv_head * GROUP * HEAD_DIM, k_cache + head_offset,
+        v_cache + head_offset, (long long)num_kv_heads * HEAD_DIM, begin, min(lengths[b], begin + span),
+        [=](int t) { return (long long)table[t / BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE; },
+        out + (long long)b * out_stride + kv_head * GROUP * HEAD_DIM, scale, mine, splits * (HEAD_DIM + 2));
+}

@@ -1,0 +1,161 @@
+// Chapter 3 — causal prefill attention, flash style: online softmax over key tiles, on tensor cores.
+// For each query row i and head h (GQA: K/V head h / (num_heads / num_kv_heads)):
+//   out[i, h] = sum_j softmax_j(q_i . k_j * scale) v_j over keys j <= i,
+// computed PREFILL_TILE = 64 keys at a time with a running max m and sum l, so the (T x T) scores never exist.
+// Launch: grid (ceil(T / PREFILL_TILE), num_heads), block (PREFILL_THREADS = 128) = 4 warps x 16 query rows;
+//         dynamic shared memory 3 x PREFILL_TILE x (head_dim + PREFILL_SMEM_PAD) bf16 (the Q, K and V tiles,
+//         rows padded by 8).
+//         One kernel per head_dim (16, 32, 64, 128 = constants.PREFILL_HEAD_DIMS): register arrays need a
+//         compile-time size.
+// Layout: qkv bf16 (T, row_stride) = [Q heads | K heads | V heads] per row, after RoPE;
+//         out bf16 (T, out_stride), head h in columns h*head_dim .. (h+1)*head_dim.
+// Scores, probabilities and the output accumulator live in registers, in the fragment layout of
+// the m16n8k16 tensor-core instruction: thread (g = lane / 4, t = lane % 4) holds rows g and g + 8,
+// columns 2t and 2t + 1 of every 16 x 8 tile — so each thread knows which row every value belongs to.
+#ifndef PREFILL_TILE
+#error "PREFILL_TILE comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef PREFILL_THREADS
+#error "PREFILL_THREADS comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef PREFILL_SMEM_PAD
+#error "PREFILL_SMEM_PAD comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#include "common.cuh"
+
+constexpr int BQ = PREFILL_TILE, BK = PREFILL_TILE;  // query rows per block, keys per K/V tile
+static_assert(PREFILL_THREADS == BQ / 16 * 32, "one warp per 16 query rows (the m16n8k16 tile)");
+static_assert(BK % 16 == 0 && PREFILL_SMEM_PAD % 8 == 0, "whole mma tiles; padded rows stay 16-byte aligned");
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low 16 bits
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// c (16x8 fp32) += a (16x16 bf16, row-major) * b (16x8 bf16, column-major)
+__device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Copy PREFILL_TILE rows of D bf16 (zeros past `tokens`) from global into a shared tile with row stride
+// D + PREFILL_SMEM_PAD (the padding puts the 8 rows a warp reads at once in different banks), 16 bytes at a time.
+template <int D>
+__device__ void load_tile(__nv_bfloat16* dst, const __nv_bfloat16* src, int first_row, int tokens, int row_stride) {
+    for (int c = threadIdx.x; c < PREFILL_TILE * D / 8; c += blockDim.x) {
+        int r = c / (D / 8), col = (c % (D / 8)) * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (first_row + r < tokens) v = *(const uint4*)(src + (long long)(first_row + r) * row_stride + col);
+        *(uint4*)(dst + r * (D + PREFILL_SMEM_PAD) + col) = v;
+    }
+}
+
+template <int D>
+__device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int tokens, int num_heads,
+                          int num_kv_heads, int row_stride, int out_stride, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int LD = D + PREFILL_SMEM_PAD;
+    __nv_bfloat16* Qs = (__nv_bfloat16*)smem;
+    __nv_bfloat16* Ks = Qs + BQ * LD;
+    __nv_bfloat16* Vs = Ks + BK * LD;
+    const unsigned short* Vbits = (const unsigned short*)Vs;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int head = blockIdx.y, kv_head = head / (num_heads / num_kv_heads), q0 = blockIdx.x * BQ;
+    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;  // the two query rows this thread holds
+    const float scale_log2 = scale * 1.4426950408889634f;   // exp(x) = exp2(x log2 e): exp2 is one instruction
+
+    load_tile<D>(Qs, qkv + head * D, q0, tokens, row_stride);
+    __syncthreads();
+    unsigned qf[D / 16][4];  // this warp's 16 query rows as A fragments, loaded once
+    for (int k = 0; k < D / 16; k++) {
+        const __nv_bfloat16* q = Qs + (warp * 16 + g) * LD + k * 16 + 2 * t;
+        qf[k][0] = *(const unsigned*)q;
+        qf[k][1] = *(const unsigned*)(q + 8 * LD);
+        qf[k][2] = *(const unsigned*)(q + 8);
+        qf[k][3] = *(const unsigned*)(q + 8 * LD + 8);
+    }
+    float o[D / 8][4] = {};
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's share of the sum
+
+    const int q_cols = num_heads * D, kv_cols = num_kv_heads * D;
+    const int last_key = min(q0 + BQ, tokens) - 1;  // causal: later key tiles are fully masked
+    for (int k0 = 0; k0 <= last_key; k0 += BK) {
+        __syncthreads();  // everyone is done with the previous K/V tile
+        load_tile<D>(Ks, qkv + q_cols + kv_head * D, k0, tokens, row_stride);
+        load_tile<D>(Vs, qkv + q_cols + kv_cols + kv_head * D, k0, tokens, row_stride);
+        __syncthreads();
+        if (k0 > q0 + warp * 16 + 15) continue;  // every key of this tile is after all of this warp's rows
+
+        // S = Q K^T: K's rows are exactly the column-major B operand.
+        float s[BK / 8][4] = {};
+        for (int n = 0; n < BK / 8; n++)
+            for (int k = 0; k < D / 16; k++) {
+                const __nv_bfloat16* kp = Ks + (n * 8 + g) * LD + k * 16 + 2 * t;
+                unsigned b[2] = {*(const unsigned*)kp, *(const unsigned*)(kp + 8)};
+                mma_16x8x16(s[n], qf[k], b);
+            }
+
+        // Online softmax: mask, new running max, rescale what was accumulated, exponentiate.
+        float tile0 = -INFINITY, tile1 = -INFINITY;
+        for (int n = 0; n < BK / 8; n++)
+            for (int e = 0; e < 2; e++) {
+                int key = k0 + n * 8 + 2 * t + e;
+                s[n][e] = (key <= row0 && key < tokens) ? s[n][e] * scale_log2 : -INFINITY;
+                s[n][2 + e] = (key <= row1 && key < tokens) ? s[n][2 + e] * scale_log2 : -INFINITY;
+                tile0 = fmaxf(tile0, s[n][e]);
+                tile1 = fmaxf(tile1, s[n][2 + e]);
+            }
+        for (int x = 1; x < 4; x <<= 1) {  // the 4 threads sharing a row hold its 64 columns
+            tile0 = fmaxf(tile0, __shfl_xor_sync(0xffffffff, tile0, x));
+            tile1 = fmaxf(tile1, __shfl_xor_sync(0xffffffff, tile1, x));
+        }
+        float new0 = fmaxf(m0, tile0), new1 = fmaxf(m1, tile1);
+        // A row with no visible key yet (max -inf) must not compute exp(-inf - -inf) = NaN.
+        float alpha0 = new0 == -INFINITY ? 1.0f : exp2f(m0 - new0);
+        float alpha1 = new1 == -INFINITY ? 1.0f : exp2f(m1 - new1);
+        m0 = new0, m1 = new1;
+        l0 *= alpha0, l1 *= alpha1;
+        for (int n = 0; n < D / 8; n++) o[n][0] *= alpha0, o[n][1] *= alpha0, o[n][2] *= alpha1, o[n][3] *= alpha1;
+        unsigned p[BK / 16][4];  // probabilities, already in the A-fragment layout of the next product
+        for (int n = 0; n < BK / 8; n++) {
+            float p00 = m0 == -INFINITY ? 0.0f : exp2f(s[n][0] - m0), p01 = m0 == -INFINITY ? 0.0f : exp2f(s[n][1] - m0);
+            float p10 = m1 == -INFINITY ? 0.0f : exp2f(s[n][2] - m1), p11 = m1 == -INFINITY ? 0.0f : exp2f(s[n][3] - m1);
+            l0 += p00 + p01, l1 += p10 + p11;
+            p[n / 2][(n % 2) * 2] = pack_bf16(p00, p01);      // row g:   keys 2t, 2t+1 (+8 for odd n)
+            p[n / 2][(n % 2) * 2 + 1] = pack_bf16(p10, p11);  // row g+8
+        }
+
+        // O += P V: B fragment = two keys (2t, 2t+1) of one value column g, packed.
+        for (int n = 0; n < D / 8; n++)
+            for (int k = 0; k < BK / 16; k++) {
+                const unsigned short* v = Vbits + (k * 16 + 2 * t) * LD + n * 8 + g;
+                unsigned b[2] = {v[0] | ((unsigned)v[LD] << 16), v[8 * LD] | ((unsigned)v[9 * LD] << 16)};
+                mma_16x8x16(o[n], p[k], b);
+            }
+    }
+
+    for (int x = 1; x < 4; x <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffff, l0, x);
+        l1 += __shfl_xor_sync(0xffffffff, l1, x);
+    }
+    for (int n = 0; n < D / 8; n++) {
+        int col = head * D + n * 8 + 2 * t;
+        if (row0 < tokens)
+            *(unsigned*)(out + (long long)row0 * out_stride + col) = pack_bf16(o[n][0] / l0, o[n][1] / l0);
+        if (row1 < tokens)
+            *(unsigned*)(out + (long long)row1 * out_stride + col) = pack_bf16(o[n][2] / l1, o[n][3] / l1);
+    }
+}
+
+#define ATTENTION_KERNEL(D)                                                                                \
+    extern "C" __global__ void prefill_attention_d##D(const __nv_bfloat16* qkv, __nv_bfloat16* out,      \
+                                                      int tokens, int num_heads, int num_kv_heads,        \
+                                                      int row_stride, int out_stride, float scale) {      \
+        attention<D>(qkv, out, tokens, num_heads, num_kv_heads, row_stride, out_stride, scale);          \
+    }
+ATTENTION_KERNEL(16)
+ATTENTION_KERNEL(32)
+ATTENTION_KERNEL(64)
+ATTENTION_KERNEL(128)

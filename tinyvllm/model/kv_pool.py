@@ -1,0 +1,132 @@
+"""Chapters 5 and 6: the KV pools — where every layer's K and V live between steps.
+
+Decode produces one token per step, and its attention needs the K and V of every earlier token.
+Recomputing them costs a whole prefill per token; keeping them costs memory:
+
+    2 (K and V) x layers x kv_heads x head_dim x bytes  per token
+    = 2 x 16 x 8 x 64 x 2 = 32 KiB per token for Llama 3.2 1B in bf16
+
+Both pools hold, per layer, a flat list of token *slots*: (layers, slots, kv_heads, head_dim). The
+kernels only ever see slot numbers (store_kv writes token t to slots[t]); the pools differ in how a
+sequence's slots are found again:
+  - ContiguousKVCache (chapter 5): sequence s owns slots s * max_len onwards, in a row. It hands out its
+    own slots, since chapter 5 has no scheduler yet.
+  - PagedKVPool (chapter 6): 16-token blocks, found through each sequence's block table. The scheduler's
+    block manager (tinyvllm/engine/) decides who holds which block; the pool is only the memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.errors import TinyVLLMError
+from tinyvllm.formats.config import LlamaConfig
+from tinyvllm.model.step_plan import SeqStep
+
+BLOCK_SIZE = 16            # tokens per block: the one source (the kernels get it through NVRTC's -D)
+CPU_KV_CACHE_BYTES = 2**30  # 1 GiB: ~23,000 tokens of SmolLM2-135M in float32
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+class KVPool:
+    """K and V of every layer: (layers, num_slots, kv_heads, head_dim) each, on the model's device."""
+
+    def __init__(self, cfg: LlamaConfig, ops, num_slots: int):
+        self.ops = ops
+        shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, cfg.head_dim)
+        self.k, self.v = ops.xp.zeros(shape, ops.DTYPE), ops.xp.zeros(shape, ops.DTYPE)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class ContiguousKVCache(KVPool):
+    """Chapter 5: every sequence owns max_len slots in a row, in every layer."""
+    attention = "decode_attention"  # the backend op that reads this layout (chapter 6's reads blocks)
+
+    def __init__(self, cfg: LlamaConfig, ops, num_seqs: int, max_len: int):
+        super().__init__(cfg, ops, num_seqs * max_len)
+        self.num_seqs, self.max_len = num_seqs, max_len
+        self.lengths = {seq: 0 for seq in range(num_seqs)}  # tokens cached so far, per sequence
+
+    def append(self, seq: int, count: int) -> np.ndarray:
+        """Room for `count` more tokens of sequence `seq`: their slots (positions lengths[seq] onwards)."""
+        start = self.lengths[seq]
+        if start + count > self.max_len:
+            raise TinyVLLMError(f"sequence {seq} needs {start + count} tokens of KV cache but holds "
+                                f"{self.max_len}; ask for fewer tokens")
+        self.lengths[seq] += count
+        return seq * self.max_len + np.arange(start, start + count, dtype=np.int32)
+
+    def plan_prefill(self, seq: int, token_ids: list[int]) -> SeqStep:
+        """The step plan of a prompt (or more tokens) for sequence `seq`, its slots taken now."""
+        start = self.lengths[seq]
+        return SeqStep(list(token_ids), start, self.append(seq, len(token_ids)))
+
+    def plan_decode(self, seqs: list[int], tokens: list[int]) -> list[SeqStep]:
+        """One new token per sequence: tokens[b] (not yet cached) is sequence seqs[b]'s newest."""
+        return [self.plan_prefill(s, [t]) for s, t in zip(seqs, tokens)]
+
+    def where(self, steps: list[SeqStep], lengths: np.ndarray) -> tuple:
+        """decode_attention's inputs: row b reads slots starts[b] .. starts[b] + lengths[b] - 1."""
+        starts = np.asarray([int(s.slots[0]) - s.start for s in steps], dtype=np.int32)  # the row's first slot
+        return self.ops.to_device(starts), self.ops.to_device(np.asarray(lengths, dtype=np.int32))
+
+    def view(self, seq: int, layer: int):
+        """(K, V) of one sequence in one layer: (lengths[seq], kv_heads, head_dim) each."""
+        rows = slice(seq * self.max_len, seq * self.max_len + self.lengths[seq])
+        return self.k[layer, rows], self.v[layer, rows]
+
+
+class PagedKVPool(KVPool):
+    """Chapter 6: (num_blocks + 1) * 16 slots per layer; a sequence's token t is in slot
+    block_table[t // 16] * 16 + t % 16. One block more than the block manager hands out: a scratch block
+    that padding rows of a CUDA graph's batch (chapter 7) write to and read from, so they never touch a
+    real sequence's K/V."""
+    attention = "paged_attention"  # the backend op that reads keys through block tables
+
+    def __init__(self, cfg: LlamaConfig, ops, num_blocks: int):
+        if num_blocks < 1:
+            raise TinyVLLMError(f"the KV cache pool needs at least one block, got {num_blocks}")
+        super().__init__(cfg, ops, (num_blocks + 1) * BLOCK_SIZE)
+        self.num_blocks, self.scratch_block = num_blocks, num_blocks
+
+    def where(self, steps: list[SeqStep], lengths: np.ndarray) -> tuple:
+        """paged_attention's inputs: row b's block table (padded with -1, never read past lengths[b])."""
+        tables = np.full((len(steps), max(len(s.block_table) for s in steps)), -1, dtype=np.int32)
+        rows: dict[int, int] = {}
+        for b, s in enumerate(steps):     # a chunk's tokens share one table: copy the row written first
+            if id(s) in rows:
+                tables[b] = tables[rows[id(s)]]
+            else:
+                rows[id(s)], tables[b, :len(s.block_table)] = b, s.block_table
+        return self.ops.to_device(tables), self.ops.to_device(np.asarray(lengths, dtype=np.int32))
+
+
+def bytes_per_block(cfg: LlamaConfig, itemsize: int) -> int:
+    """K and V of 16 tokens in every layer."""
+    return 2 * cfg.num_hidden_layers * BLOCK_SIZE * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
+def pool_blocks(cfg: LlamaConfig, ops, gpu_memory_utilization: float = 0.9,
+                cpu_bytes: int = CPU_KV_CACHE_BYTES) -> int:
+    """How many blocks fit in the memory left for the KV cache on this backend."""
+    per_block = bytes_per_block(cfg, np.dtype(ops.DTYPE).itemsize)
+    if ops.xp.__name__ == "cupy":
+        if not 0 < gpu_memory_utilization <= 1:
+            raise TinyVLLMError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        free, total = ops.xp.cuda.runtime.memGetInfo()
+        # CuPy keeps the memory of freed arrays (an LLM deleted earlier in this process) cached in its pool:
+        # the device counts it as used, but the arrays allocated next reuse it, so here it counts as free
+        free += ops.xp.get_default_memory_pool().free_bytes()
+        budget = gpu_memory_utilization * total - (total - free)
+    else:
+        budget = cpu_bytes
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise TinyVLLMError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB for blocks of "
+                            f"{per_block / 2**20:.2f} MiB); raise gpu_memory_utilization or give num_blocks")
+    return blocks

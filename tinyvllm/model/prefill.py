@@ -1,0 +1,69 @@
+"""Chapter 3: prefill — the whole prompt through every layer at once.
+
+T tokens make every projection a real matrix multiply (T x hidden times hidden x out), which is
+what GPUs are built for; decode (chapter 5) is the GEMV-shaped opposite. The layer loop is the model's
+one forward pass (run_layers in model.py); prefill only decides how attention reads K and V: a fresh
+prompt attends to itself (the prefill attention kernel), a prompt after a cached prefix (chapter 7)
+reads the pool, each of its tokens a query whose context ends at its own position.
+
+Only each prompt's last position gets logits: the others would be thrown away.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.errors import TinyVLLMError
+from tinyvllm.model.kv_pool import ContiguousKVCache
+from tinyvllm.model.model import Model, final_logits, run_layers
+from tinyvllm.model.step_plan import SeqStep
+
+
+def prefill(model: Model, token_ids, all_logits: bool = False, on_layer=None, cache=None, seq: int = 0):
+    """Run one prompt; returns (logits, kv): logits (vocab,) fp32 for the last position — (T, vocab) with
+    all_logits — on the model's device, and per layer the (k, v) of the sequence, each (T, kv_heads, head_dim).
+
+    The K/V go into sequence `seq` of a contiguous cache (chapter 5); without one, into a fresh one just
+    big enough. kv holds views of the cache, not copies. on_layer(residual, delta), if given, is called
+    after each layer; the stream is then residual + delta (the add is deferred to the next norm)."""
+    if cache is None:
+        cache, seq = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=len(token_ids)), 0
+    logits = prefill_batch(model, cache, [cache.plan_prefill(seq, token_ids)], all_logits, on_layer)
+    kv = [cache.view(seq, i) for i in range(model.cfg.num_hidden_layers)]
+    return (logits if all_logits else logits[0]), kv
+
+
+def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = False, on_layer=None):
+    """Several prompts in one pass (chapter 7): their tokens side by side as the rows of every GEMM, as
+    the plan says (steps[j]: sequence j's tokens, first position, slots and block table). Returns the
+    logits of each prompt's last token, (n, vocab) fp32 — of every token with all_logits."""
+    cfg, ops = model.cfg, model.ops
+    T = sum(len(s.token_ids) for s in steps)
+    if not all(s.token_ids for s in steps) or T > model.max_step_tokens:
+        raise TinyVLLMError(f"a prefill of {T} tokens; this model's step buffers hold 1 to {model.max_step_tokens}")
+    ends = np.cumsum([len(s.token_ids) for s in steps])
+    positions = np.concatenate([np.arange(s.start, s.end) for s in steps])
+    H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    reads_pool = [(end - len(s.token_ids), end, s) for s, end in zip(steps, ends) if s.start]
+    where = None
+    if reads_pool:   # one upload for every row that reads the pool: its table, and its context (position + 1)
+        rows = [s for _, _, s in reads_pool for _ in s.token_ids]
+        where = pool.where(rows, np.concatenate([positions[a:b] + 1 for a, b, _ in reads_pool]))
+    attention = getattr(ops, pool.attention)
+
+    def attend(layer: int, qkv, attn) -> None:
+        done = 0
+        for s, end in zip(steps, ends):
+            start = end - len(s.token_ids)
+            if not s.start:
+                ops.prefill_attention(qkv[start:end], attn[start:end], H, KVH, D)
+            else:
+                rows = slice(done, done + end - start)
+                attention(qkv[start:end], pool.k[layer], pool.v[layer], where[0][rows], where[1][rows],
+                          attn[start:end], H)
+                done += end - start
+
+    ids, positions, slots = (ops.to_device(np.asarray(a, dtype=np.int32)) for a in
+                             (np.concatenate([s.token_ids for s in steps]), positions,
+                              np.concatenate([np.asarray(s.slots) for s in steps])))
+    residual, delta = run_layers(model, ids, positions, slots, pool, attend, on_layer)
+    return final_logits(model, residual, delta, slice(0, T) if all_logits else ends - 1)
