@@ -53,8 +53,8 @@ grade: $(VENV)/.test  ## grade your exercises, print a score table: make grade [
 	$(PY) -m chapters.grade_report --impl $(if $(filter command line environment,$(origin IMPL)),$(IMPL),student) \
 		$(if $(filter all,$(CH)),,--chapters $(CH)) --junit $(JUNIT)
 
-notebooks: $(VENV)/.test  ## execute every notebook top to bottom on the CPU
-	$(PY) -m pytest -q -m notebooks
+notebooks: $(VENV)/.test  ## execute every notebook top to bottom on the CPU and write it back with its outputs
+	TINYVLLM_WRITE_NOTEBOOKS=1 $(PY) -m pytest -q -m notebooks
 
 figures: $(VENV)/.test  ## regenerate figures/*.png from the real files
 	$(PY) -m chapters.figures

@@ -138,6 +138,6 @@ def test_a_scheduler_that_admits_nobody_is_an_error_not_a_hang(default_model_dir
     from tinyvllm.engine import scheduler
     from tinyvllm.errors import TinyVLLMError
     llm = LLM(default_model_dir, device="cpu", num_blocks=40)
-    monkeypatch.setattr(scheduler, "admit", lambda sched, step, free: None)
+    monkeypatch.setattr(scheduler, "admit", lambda sched, step, free, budget: None)
     with pytest.raises(TinyVLLMError, match="runs nothing while 1 requests wait"):
         llm.generate([[1, 2, 3]], GREEDY)

@@ -210,8 +210,11 @@ def test_BlockManager_ref_counts_keep_a_shared_block(impl):
     for b in (0, 1):
         bm.ref_counts[b] += 1
     assert bm.ref_counts == [2, 2, 1, 1, 0, 0, 0, 0]
+    assert bm.num_free == 4, (f"num_free is {bm.num_free} with blocks 0-3 in use (0 and 1 by two sequences): "
+                              "count the free list, not num_blocks minus the table entries (a shared block is one block)")
     bm.free(0)
     assert bm.ref_counts == [1, 1, 0, 1, 0, 0, 0, 0] and list(bm.free_blocks) == [4, 5, 6, 7, 2]
+    assert bm.num_free == 5, f"num_free is {bm.num_free} after block 2 came back: 5 are free"
     bm.free(1)
     assert bm.ref_counts == [0] * 8 and list(bm.free_blocks) == [4, 5, 6, 7, 2, 0, 1, 3]
 

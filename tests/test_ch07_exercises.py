@@ -1,9 +1,10 @@
-"""Chapter 7 graders: the scheduler's admission step (Exercise 7.1) and its choice of whom to preempt (7.2), on the CPU.
+"""Chapter 7 graders: the scheduler's admission under a token budget (Exercise 7.1) and its choice of whom to preempt (7.2), on the CPU.
 
 Most graders drive the functions with a fake block manager whose answers the grader sets (how many blocks a
 prompt takes, how many of its tokens are cached, which running sequence needs a new block) and sequences
 without a model, so every expected outcome is worked out by hand from the rules: FIFO, max_num_seqs, the
-token budget, the blocks left in the step (`free`), the youngest is the victim and goes back to the front
+token budget left after the decodes (a prompt that does not fit it is split into chunks; cached tokens cost
+nothing), the blocks left in the step (`free`), the youngest is the victim and goes back to the front
 of the queue. The last grader plugs the implementation into the real engine on a tiny random model with a
 pool small enough to force preemptions: every request's tokens must equal what it gets alone, computed
 beforehand with the engine's own functions.
@@ -27,10 +28,11 @@ class FakeBlocks:
 
     A sequence's token ids all equal its id, so blocks_to_admit can tell whose tokens it is given."""
 
-    def __init__(self, num_free: int, need=None, cached=None, append=None, held=None):
+    def __init__(self, num_free: int, need=None, cached=None, append=None, held=None, extend=None):
         self.num_free = num_free             # what the pool reports; NOT what is left in this step
-        self.need = need or {}               # seq id -> blocks_to_admit (default: ceil(len / 16))
-        self.cached = cached or {}           # seq id -> tokens admit() reports as already cached
+        self.need = need or {}               # seq id -> blocks_to_admit (default: ceil(len / 16) of what it is given)
+        self.cached = cached or {}           # seq id -> tokens cached_tokens() and admit() report as cached
+        self.extend = extend or {}           # seq id -> blocks_to_extend (default 0)
         self.append = append or {}           # seq id -> blocks_to_append (default 0)
         self.held = dict(held or {})         # seq id -> blocks it holds, given back by free()
         self.admitted, self.freed = [], []
@@ -41,6 +43,12 @@ class FakeBlocks:
     def admit(self, seq: int, token_ids: list[int]) -> int:
         self.admitted.append(seq)
         return self.cached.get(seq, 0)
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        return self.cached.get(token_ids[0], 0)
+
+    def blocks_to_extend(self, seq: int, count: int) -> int:
+        return self.extend.get(seq, 0)
 
     def blocks_to_append(self, seq: int) -> int:
         return self.append.get(seq, 0)
@@ -57,12 +65,13 @@ def make_seq(seq_id: int, prompt: int, output: int = 0) -> Sequence:
 
 
 def make_scheduler(blocks: FakeBlocks, max_num_seqs: int = 8, budget: int = 1000, running=(), waiting=()):
-    """A Scheduler with these (seq_id, prompt length[, output length]) running and waiting."""
+    """A Scheduler with these (seq_id, prompt length[, output length]) running (decoding: all their tokens
+    but the newest in the pool) and waiting."""
     sched = Scheduler(1, max_num_seqs, budget)
     sched.blocks = blocks                    # the fake stands in for the scheduler's own block manager
     for spec in running:
         seq = make_seq(*spec)
-        seq.status = Status.RUNNING
+        seq.status, seq.num_computed = Status.RUNNING, len(seq) - 1
         sched.running.append(seq)
     sched.waiting.extend(make_seq(*spec) for spec in waiting)
     return sched
@@ -80,13 +89,14 @@ def test_admit_takes_the_queue_in_order_while_everything_fits(impl):
     sched = make_scheduler(blocks, running=[(10, 20), (11, 5)],
                            waiting=[(0, 30), (1, 50), (2, 20), (3, 70), (4, 40)])
     step = Step()
-    assert impl("admit")(sched, step, 100) is None
+    assert impl("admit")(sched, step, 100, 1000) is None
     assert ids(step.prefills) == [0, 1, 2, 3, 4], "admitted sequences go into step.prefills in arrival order"
+    assert step.chunks == [30, 50, 20, 70, 40], "step.chunks[i]: the tokens step.prefills[i] computes (all of them)"
     assert ids(sched.running) == [10, 11, 0, 1, 2, 3, 4], "admitted sequences go to the END of running"
     assert not sched.waiting
     assert all(s.status is Status.RUNNING for s in sched.running)
     assert blocks.admitted == [0, 1, 2, 3, 4], "blocks.admit(seq_id, token_ids) once per admitted sequence"
-    assert all(s.num_cached == 0 for s in step.prefills)
+    assert all(s.num_cached == 0 and s.num_computed == 0 for s in step.prefills)
     assert step.decodes == [] and step.preempted == []
 
 
@@ -97,12 +107,13 @@ def test_admit_stops_at_the_first_that_does_not_fit_nobody_overtakes(impl):
     blocks = FakeBlocks(num_free=4)
     sched = make_scheduler(blocks, waiting=[(0, 30), (1, 70), (2, 10)])
     step = Step()
-    impl("admit")(sched, step, 4)
+    impl("admit")(sched, step, 4, 1000)
     assert ids(step.prefills) == [0], "FIFO: the first that does not fit ends admission"
     assert ids(sched.waiting) == [1, 2], "a refused sequence stays at the head of the queue"
     assert isinstance(sched.waiting, deque)
     assert [s.status for s in sched.waiting] == [Status.WAITING] * 2
     assert blocks.admitted == [0], "blocks.admit must not be called for a refused sequence"
+    assert blocks.freed == [], "nothing is freed by admission"
 
 
 @pytest.mark.ch7
@@ -111,11 +122,11 @@ def test_admit_uses_the_blocks_left_in_this_step_not_the_pool(impl):
     blocks = FakeBlocks(num_free=50)
     sched = make_scheduler(blocks, waiting=[(0, 20), (1, 20), (2, 20)])   # 2 blocks each
     step = Step()
-    impl("admit")(sched, step, 3)
+    impl("admit")(sched, step, 3, 1000)
     assert ids(step.prefills) == [0], "2 + 2 blocks do not fit in the 3 left this step (use `free`, not num_free)"
     blocks, step = FakeBlocks(num_free=50), Step()
     sched = make_scheduler(blocks, waiting=[(0, 20), (1, 20), (2, 20)])
-    impl("admit")(sched, step, 4)
+    impl("admit")(sched, step, 4, 1000)
     assert ids(step.prefills) == [0, 1], "exactly enough blocks: it fits"
 
 
@@ -125,7 +136,7 @@ def test_admit_asks_the_block_manager_how_many_blocks_a_prompt_takes(impl):
     blocks = FakeBlocks(num_free=3, need={0: 1, 1: 2})
     sched = make_scheduler(blocks, waiting=[(0, 60), (1, 30), (2, 1)])   # 60 tokens, but 3 of its 4 blocks cached
     step = Step()
-    impl("admit")(sched, step, 3)
+    impl("admit")(sched, step, 3, 1000)
     assert ids(step.prefills) == [0, 1], "seq 0 takes 1 block (blocks_to_admit), seq 1 the other 2"
     assert ids(sched.waiting) == [2]
 
@@ -136,62 +147,85 @@ def test_admit_respects_max_num_seqs(impl):
     sched = make_scheduler(blocks, max_num_seqs=4, running=[(10, 5), (11, 5)],
                            waiting=[(0, 5), (1, 5), (2, 5), (3, 5)])
     step = Step()
-    impl("admit")(sched, step, 100)
+    impl("admit")(sched, step, 100, 1000)
     assert ids(step.prefills) == [0, 1], "4 slots, 2 taken: two more"
     assert ids(sched.waiting) == [2, 3] and len(sched.running) == 4
     blocks = FakeBlocks(num_free=100)
     sched = make_scheduler(blocks, max_num_seqs=2, running=[(10, 5), (11, 5)], waiting=[(0, 5)])
     step = Step()
-    impl("admit")(sched, step, 100)
+    impl("admit")(sched, step, 100, 1000)
     assert step.prefills == [] and blocks.admitted == [] and ids(sched.waiting) == [0], "no free slot: nobody"
 
 
 @pytest.mark.ch7
-def test_admit_respects_the_token_budget(impl):
+def test_admit_splits_the_prompt_the_budget_cannot_hold(impl):
+    """Hand-derived: budget 100 (what the decodes left). 40 + 50 tokens leave 10: the 20-token prompt
+    starts with a chunk of 10, and the budget is spent: the 5-token one waits."""
     blocks = FakeBlocks(num_free=100)
-    sched = make_scheduler(blocks, budget=100, waiting=[(0, 40), (1, 50), (2, 20), (3, 5)])
+    sched = make_scheduler(blocks, budget=1000, waiting=[(0, 40), (1, 50), (2, 20), (3, 5)])
     step = Step()
-    impl("admit")(sched, step, 100)
-    assert ids(step.prefills) == [0, 1], "40 + 50 tokens leave 10: the 20-token prompt waits (and so does 5)"
+    impl("admit")(sched, step, 100, 100)
+    assert ids(step.prefills) == [0, 1, 2] and step.chunks == [40, 50, 10], \
+        "each computes min(its uncached tokens, the budget left): the third gets a chunk of 10"
+    assert sum(step.chunks) <= 100, "the step's budget is `budget`, not max_num_batched_tokens"
+    assert ids(sched.waiting) == [3] and blocks.admitted == [0, 1, 2]
     blocks = FakeBlocks(num_free=100)
-    sched = make_scheduler(blocks, budget=100, waiting=[(0, 60), (1, 40), (2, 1)])
+    sched = make_scheduler(blocks, budget=1000, waiting=[(0, 60), (1, 40), (2, 1)])
     step = Step()
-    impl("admit")(sched, step, 100)
-    assert ids(step.prefills) == [0, 1], "60 + 40 = 100 tokens: exactly the budget fits"
+    impl("admit")(sched, step, 100, 100)
+    assert step.chunks == [60, 40] and ids(sched.waiting) == [2], "60 + 40 = 100: nothing left for a third"
+
+
+@pytest.mark.ch7
+def test_admit_with_no_budget_left_admits_nobody(impl):
+    """The decodes took the whole budget: nobody starts, and blocks.admit is not called."""
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, waiting=[(0, 5)])
+    step = Step()
+    impl("admit")(sched, step, 100, 0)
+    assert step.prefills == [] and blocks.admitted == [] and ids(sched.waiting) == [0]
+
+
+@pytest.mark.ch7
+def test_admit_a_chunk_takes_the_blocks_of_the_chunk(impl):
+    """A 200-token prompt with a budget of 40 computes 40 tokens now: it needs the 3 blocks of its
+    first 40 tokens (blocks_to_admit of token_ids[:40]), not the 13 of the whole prompt."""
+    blocks = FakeBlocks(num_free=3)
+    sched = make_scheduler(blocks, waiting=[(0, 200)])
+    step = Step()
+    impl("admit")(sched, step, 3, 40)
+    assert ids(step.prefills) == [0] and step.chunks == [40]
 
 
 @pytest.mark.ch7
 def test_admit_cached_tokens_do_not_use_the_budget(impl):
     """Hand-derived: budget 100. Seq 0 (60 tokens, 48 cached) costs 12, leaving 88; seq 1 (80 tokens,
-    none cached) fits, leaving 8; seq 2 (10 tokens) does not."""
+    none cached) takes 80, leaving 8; seq 2 (10 tokens) starts with a chunk of 8."""
     blocks = FakeBlocks(num_free=100, cached={0: 48})
-    sched = make_scheduler(blocks, budget=100, waiting=[(0, 60), (1, 80), (2, 10)])
+    sched = make_scheduler(blocks, waiting=[(0, 60), (1, 80), (2, 10)])
     step = Step()
-    impl("admit")(sched, step, 100)
-    assert ids(step.prefills) == [0, 1], "only the tokens prefill computes (len - num_cached) use the budget"
-    assert [s.num_cached for s in step.prefills] == [48, 0], "seq.num_cached = what blocks.admit returned"
-    assert ids(sched.waiting) == [2]
+    impl("admit")(sched, step, 100, 100)
+    assert ids(step.prefills) == [0, 1, 2] and step.chunks == [12, 80, 8], \
+        "only the tokens prefill computes (len - cached) use the budget"
+    assert [s.num_cached for s in step.prefills] == [48, 0, 0], "seq.num_cached = what blocks.admit returned"
+    assert [s.num_computed for s in step.prefills] == [48, 0, 0], "seq.num_computed starts at num_cached"
 
 
 @pytest.mark.ch7
 def test_admit_a_preempted_sequence_recomputes_all_its_tokens(impl):
-    """A preempted sequence (30 prompt + 40 output tokens) is admitted on all 70 of its tokens."""
+    """A preempted sequence (30 prompt + 40 output tokens, stale counts from its first run) is admitted
+    on all 70 of its tokens: with a budget of 64 a chunk of 64, which takes 4 blocks."""
     admit = impl("admit")
-    blocks = FakeBlocks(num_free=100)
-    sched = make_scheduler(blocks, budget=64, waiting=[(0, 30, 40), (1, 5)])
-    step = Step()
-    admit(sched, step, 100)
-    assert step.prefills == [], "70 tokens do not fit a budget of 64 (prompt AND output are recomputed)"
-    blocks = FakeBlocks(num_free=100)
-    sched = make_scheduler(blocks, budget=100, waiting=[(0, 30, 40), (1, 5)])
-    step = Step()
-    admit(sched, step, 4)
-    assert step.prefills == [], "70 tokens need 5 blocks (blocks_to_admit(seq.token_ids)); 4 are left"
-    blocks = FakeBlocks(num_free=100)
-    sched = make_scheduler(blocks, budget=100, waiting=[(0, 30, 40), (1, 5)])
-    step = Step()
-    admit(sched, step, 6)
-    assert ids(step.prefills) == [0, 1] and blocks.admitted == [0, 1]
+    for free, admitted in ((3, []), (4, [0])):
+        blocks = FakeBlocks(num_free=100)
+        sched = make_scheduler(blocks, waiting=[(0, 30, 40), (1, 5)])
+        sched.waiting[0].num_cached = sched.waiting[0].num_computed = 64   # from before the preemption
+        step = Step()
+        admit(sched, step, free, 64)
+        assert ids(step.prefills) == admitted, f"64 of its 70 tokens need 4 blocks; {free} are left"
+    assert step.chunks == [64], "prompt AND output are recomputed: 70 tokens, 64 of them this step"
+    assert step.prefills[0].num_computed == 0 and step.prefills[0].num_cached == 0, \
+        "a readmitted sequence starts over: num_cached and num_computed from blocks.admit, not from before"
 
 
 @pytest.mark.ch7
@@ -199,20 +233,26 @@ def test_admit_with_nobody_waiting_does_nothing(impl):
     blocks = FakeBlocks(num_free=10)
     sched = make_scheduler(blocks, running=[(3, 10)])
     step = Step()
-    impl("admit")(sched, step, 10)
+    impl("admit")(sched, step, 10, 100)
     assert step.prefills == [] and ids(sched.running) == [3] and blocks.admitted == []
 
 
 @pytest.mark.ch7
-def test_admit_inside_schedule_gets_the_blocks_the_decodes_left(impl, monkeypatch):
-    """Through Scheduler.decide: two running sequences each open a block (3 free -> 1 left), so of two
-    one-block prompts only the first starts."""
+def test_admit_inside_decide_gets_what_the_decodes_and_a_started_prompt_left(impl, monkeypatch):
+    """Through Scheduler.decide, budget 64: two decoding sequences each open a block (5 free -> 3 left)
+    and take 1 token each; seq 2, a prompt started earlier (60 tokens, 40 computed), continues with its
+    last 20 tokens from token 40, taking 1 block; of the 42 tokens left, seq 5 (30 tokens, 2 blocks)
+    starts whole, and seq 6 gets no block."""
     monkeypatch.setattr(scheduler_module, "admit", impl("admit"))
-    blocks = FakeBlocks(num_free=3, append={0: 1, 1: 1})
-    sched = make_scheduler(blocks, running=[(0, 16), (1, 32)], waiting=[(5, 10), (6, 10)])
+    blocks = FakeBlocks(num_free=5, append={0: 1, 1: 1}, extend={2: 1})
+    sched = make_scheduler(blocks, budget=64, running=[(0, 16, 1), (1, 32, 1), (2, 60)],
+                           waiting=[(5, 30), (6, 10)])
+    sched.running[2].num_computed = 40                    # a prompt halfway through (the others decode)
     step = sched.decide()
-    assert ids(step.decodes) == [0, 1] and ids(step.prefills) == [5] and step.preempted == []
-    assert ids(sched.running) == [0, 1, 5] and ids(sched.waiting) == [6]
+    assert ids(step.decodes) == [0, 1] and step.preempted == []
+    assert ids(step.prefills) == [2, 5] and step.chunks == [20, 30], "the started prompt goes on from token 40"
+    assert len(step.decodes) + sum(step.chunks) <= 64
+    assert ids(sched.waiting) == [6]
 
 
 # ---------- Exercise 7.2: choose_victim ----------

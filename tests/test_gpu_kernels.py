@@ -9,9 +9,9 @@ import pytest
 
 from tests.gpu_helpers import bf16_pair, from_bf16, nan_bf16, requires_gpu
 from tests.numeric import rel_err
+from tinyvllm.formats.checkpoints import PRESETS
 from tinyvllm.model.backend import numpy_ops as twin
 from tinyvllm.model.model import rope_tables
-from tinyvllm.formats.checkpoints import PRESETS
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -58,8 +58,9 @@ def test_add_rms_norm(ops, rng, T, hidden, with_delta):
 @pytest.mark.parametrize("T,heads,kv_heads,head_dim", [(1, 4, 4, 64), (37, 9, 3, 64), (200, 32, 8, 64),
                                                         (17, 24, 8, 128)])
 def test_rope(ops, rng, T, heads, kv_heads, head_dim):
-    import cupy as cp
     from dataclasses import replace
+
+    import cupy as cp
     cfg = replace(PRESETS["llama-3.2-1b"], head_dim=head_dim)  # llama3 frequency scaling
     cos, sin = rope_tables(cfg, 9000)
     width = (heads + 2 * kv_heads) * head_dim
@@ -87,6 +88,34 @@ def test_prefill_attention(ops, rng, T, heads, kv_heads, head_dim):
     assert not np.isnan(got).any()
     assert rel_err(got, expected) < 1e-2
     np.testing.assert_allclose(got[0], expected[0], rtol=2e-2, atol=2e-2)  # row 0 sees only key 0: = v_0
+
+
+@pytest.mark.parametrize("start,T", [(1, 1), (15, 17), (16, 64), (17, 65), (100, 200), (1000, 37), (4000, 130)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (8, 2, 128), (4, 2, 16)])
+def test_chunk_attention(ops, rng, start, T, heads, kv_heads, head_dim):
+    """A chunk at positions start .. start + T - 1 against its sequence's keys in a NaN-filled pool, found
+    through a shuffled block table: a slot read that is not the sequence's poisons the output."""
+    import cupy as cp
+
+    from tinyvllm.formats.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+    from tinyvllm.model.kv_pool import BLOCK_SIZE
+    num_blocks = -(-(start + T) // BLOCK_SIZE)
+    table = rng.permutation(3 * num_blocks)[:num_blocks].astype(np.int32)     # spread over a bigger pool
+    pool_bits = np.full((3 * num_blocks * BLOCK_SIZE, kv_heads, head_dim), 0x7FC0, np.uint16)  # bf16 NaN
+    t = np.arange(start + T)
+    slots = table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
+    k_bits, v_bits = pool_bits.copy(), pool_bits.copy()
+    for bits in (k_bits, v_bits):
+        bits[slots] = float32_to_bf16_bits(rng.standard_normal((start + T, kv_heads, head_dim), np.float32) * 2)
+    qkv32, qkv = bf16_pair(rng, (T, (heads + 2 * kv_heads) * head_dim), scale=2.0)
+    out = nan_bf16((T, heads * head_dim))
+    ops.chunk_attention(qkv, cp.asarray(k_bits), cp.asarray(v_bits), cp.asarray(table), start, out, heads)
+    expected = np.empty((T, heads * head_dim), np.float32)
+    twin.chunk_attention(qkv32, bf16_bits_to_float32(k_bits), bf16_bits_to_float32(v_bits), table, start, expected,
+                         heads)
+    got = from_bf16(out)
+    assert not np.isnan(got).any() and not np.isnan(expected).any()
+    assert rel_err(got, expected) < 1e-2
 
 
 def test_prefill_attention_writes_only_its_columns(ops, rng):
@@ -137,6 +166,7 @@ def test_kernel_refuses_to_compile_without_its_constants(ops, file):
     """Compiled without the -D options, each guarded file stops at its #error; with them (cuda_ops.kernel's
     options) it compiles, and with all but one of its constants it stops again, naming that one."""
     import cupy as cp
+
     from tinyvllm.model.backend.constants import nvrtc_defines
     source = (KERNELS_DIR / f"{file}.cu").read_text()
     base = ("-std=c++17", f"-I{KERNELS_DIR}")

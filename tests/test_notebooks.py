@@ -1,6 +1,9 @@
 """Every notebook runs top to bottom on the CPU (the notebooks are thin: the code lives in .py files),
 and shows what it is there to show: every code cell ran, every figure cell drew a picture, every cell
-that prints printed something."""
+that prints printed something. The notebooks are committed executed, so they show their figures wherever
+they are opened: `make notebooks` runs them and writes them back (TINYVLLM_WRITE_NOTEBOOKS=1), and a fast
+test checks that the committed files hold their outputs."""
+import os
 import re
 from pathlib import Path
 
@@ -72,3 +75,14 @@ def test_notebook_runs(path, default_model_dir):
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
     problems = output_problems(nb)
     assert not problems, "\n".join(problems)
+    if os.environ.get("TINYVLLM_WRITE_NOTEBOOKS") == "1":   # make notebooks: commit what a reader will see
+        tmp = path.with_suffix(".ipynb.tmp")
+        nbformat.write(nb, tmp)
+        tmp.replace(path)                                    # whole or not at all
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_committed_notebook_shows_its_outputs(path):
+    """The file in the repository is the executed notebook (make notebooks), not bare calls."""
+    problems = output_problems(nbformat.read(path, as_version=4))
+    assert not problems, f"{path.name} is not committed executed; run `make notebooks`:\n" + "\n".join(problems)

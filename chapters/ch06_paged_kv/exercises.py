@@ -65,9 +65,10 @@ class BlockManager:
     tables[seq] itself, not a copy, and chapter 7's CUDA graphs recognise the list to copy only its new
     blocks: grow a running sequence's table in place (append, +=); a new list costs a full rewrite.
 
-    Chapter 7's scheduler also calls three planning methods, blocks_to_append, blocks_to_admit and
-    admit. They are not part of this exercise and are written for you at the end of the class (they
-    read `lengths`), so `make chapter-7 IMPL=student` runs on your class too.
+    Chapter 7's scheduler also calls five planning methods, blocks_to_append, blocks_to_extend,
+    cached_tokens, blocks_to_admit and admit. They are not part of this exercise and are written for you
+    at the end of the class (they read `lengths` and `tables`), so `make chapter-7 IMPL=student` runs on
+    your class too.
     """
 
     def __init__(self, num_blocks: int):
@@ -138,5 +139,7 @@ class BlockManager:
 
     # ---- given, not an exercise: what chapter 7's scheduler plans with, the engine's own methods ----
     blocks_to_append = block_manager.BlockManager.blocks_to_append
+    blocks_to_extend = block_manager.BlockManager.blocks_to_extend
+    cached_tokens = block_manager.BlockManager.cached_tokens
     blocks_to_admit = block_manager.BlockManager.blocks_to_admit
     admit = block_manager.BlockManager.admit

@@ -97,7 +97,10 @@ def request_params(n: int) -> list[SamplingParams]:
 
 
 def make_llm(device: str) -> LLM:
-    return LLM(resolve_model("default"), device=device, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS)
+    """Prefix caching off: check (d) replays the block counts of a pool without it (and the runs must not
+    share blocks with each other, or the later ones would have less to compute)."""
+    return LLM(resolve_model("default"), device=device, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
+               enable_prefix_caching=False)
 
 
 def warm_up(llm: LLM, prompts: list[list[int]]) -> float:
@@ -212,7 +215,8 @@ def replay(module: ModuleType, run: Run, num_blocks: int = NUM_BLOCKS) -> list[t
                                len(run.tokens[i]), set(), decoder=None))
         while sched.has_work():
             plan = sched.schedule()
-            for seq in plan.prefills + plan.decodes:
+            done = [s for s in plan.prefills if s.num_computed == len(s)]   # a chunk mid-prompt samples nothing
+            for seq in done + plan.decodes:
                 seq.output_ids.append(0)
                 if len(seq.output_ids) == seq.max_tokens:
                     sched.finish(seq)

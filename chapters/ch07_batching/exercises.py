@@ -22,38 +22,43 @@ REFERENCE = {
 }
 
 
-def admit(scheduler: Scheduler, step: Step, free: int) -> None:
+def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
     """Move waiting sequences to running, in arrival order, while each fits: a free slot (max_num_seqs),
-    room in the step's token budget, and `free` blocks (those not yet promised this step). Each one
-    admitted goes into step.prefills; the first that does not fit ends admission (FIFO).
+    tokens left in the step's budget, and `free` blocks (those not yet promised this step). A sequence
+    computes what its cached prefix does not hold, as much of it as the budget allows (a chunk; the
+    rest follows in the next steps). Each one admitted goes into step.prefills, its token count into
+    step.chunks; the first that does not fit ends admission (FIFO).
 
-    Exercise 7.1. Scheduler.decide calls this after the running sequences have been promised their blocks
-    for this step's decode (promised, not taken: Scheduler.allocate takes the step's free blocks once
-    decide is done); what you may use:
+    Exercise 7.1. Scheduler.decide calls this last: the running sequences have been promised their decode
+    token and blocks, and a prompt started in an earlier step its next chunk (promised, not taken:
+    Scheduler.allocate takes the blocks once decide is done). What you may use:
       scheduler.waiting                 a collections.deque of Sequence, the next one on the LEFT
       scheduler.running                 a list of Sequence, in admission order (append to it)
       scheduler.max_num_seqs            how many sequences may run at once (running included)
-      scheduler.max_num_batched_tokens  the step's token budget: tokens this step's prefill may compute
       scheduler.blocks                  the block manager:
-          blocks.blocks_to_admit(seq.token_ids) -> int   free blocks this sequence would take
-          blocks.admit(seq.seq_id, seq.token_ids) -> int  start it; returns how many of its tokens are
-                                                          already cached (prefix caching; 0 without it)
+          blocks.cached_tokens(seq.token_ids) -> int      leading tokens already in the pool (prefix
+                                                          caching; 0 without it): they cost no budget
+          blocks.blocks_to_admit(token_ids) -> int        free blocks the first len(token_ids) tokens of a
+                                                          new sequence take (its cached blocks excepted)
+          blocks.admit(seq.seq_id, seq.token_ids) -> int  start it on its cached blocks; returns how many
+                                                          of its tokens they hold
       free                              free blocks NOT yet promised this step: use it, not
-                                        blocks.num_free (it still counts the blocks promised to this
-                                        step's decodes)
+                                        blocks.num_free (it still counts what the decodes were promised)
+      budget                            tokens this step may still compute (the decodes and a started
+                                        prompt's chunk already took theirs)
 
-    Look at the sequence at the head of the queue, waiting[0]. It is admitted if
-      - len(scheduler.running) < max_num_seqs,
-      - len(seq) (all its tokens: a preempted one recomputes its output too) is at most what is left of
-        the budget — check the whole length: how much is cached is only known once it is admitted,
-      - blocks_to_admit(seq.token_ids) <= free.
-    If so: pop it from the left of waiting; set seq.status = Status.RUNNING; free -= the blocks it takes;
-    seq.num_cached = blocks.admit(seq.seq_id, seq.token_ids) (call admit exactly once per admitted
-    sequence, never for one that is refused); only its uncached tokens use up the budget
-    (len(seq) - seq.num_cached); append it to scheduler.running and to step.prefills. Then look at the
-    new head. The first sequence that does not fit stops admission: it stays at the head, untouched,
-    and nobody behind it is admitted even if they would fit (nobody is overtaken, so a long prompt is
-    not starved by a stream of short ones). Return nothing.
+    Look at the sequence at the head of the queue, waiting[0] (all its tokens count: a preempted one
+    recomputes its output too). With cached = blocks.cached_tokens(seq.token_ids), it computes
+    count = min(len(seq) - cached, budget) tokens this step, which take
+    need = blocks.blocks_to_admit(seq.token_ids[:cached + count]) blocks. It is admitted if
+    len(scheduler.running) < max_num_seqs, budget > 0 and need <= free.
+    If so: pop it from the left of waiting; set seq.status = Status.RUNNING; free -= need; budget -= count;
+    seq.num_cached = seq.num_computed = blocks.admit(seq.seq_id, seq.token_ids) (call admit exactly once
+    per admitted sequence, never for one that is refused; set both every time: a preempted sequence
+    starts over); append it to scheduler.running, to step.prefills, and count to step.chunks. Then look
+    at the new head. The first sequence that does not fit stops admission: it stays at the head,
+    untouched, and nobody behind it is admitted even if they would fit (nobody is overtaken, so a long
+    prompt is not starved by a stream of short ones). Return nothing.
     """
     raise NotImplementedError("Exercise 7.1: admit")
 

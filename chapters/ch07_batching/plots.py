@@ -54,10 +54,12 @@ def cpu_llm() -> LLM:
     return LLM(resolve_model("default"), device="cpu", num_blocks=256)
 
 
-def engine_on(llm: LLM, max_num_seqs: int = 256, prefix_caching: bool = False, num_blocks: int = 256) -> Engine:
-    """A fresh Engine (empty pool, new scheduler) over the LLM's model: settings without reloading weights."""
+def engine_on(llm: LLM, max_num_seqs: int = 256, prefix_caching: bool = False, num_blocks: int = 256,
+              budget: int | None = None) -> Engine:
+    """A fresh Engine (empty pool, new scheduler) over the LLM's model: settings without reloading weights
+    (a step budget at most the model's step buffers)."""
     config = replace(llm.engine.config, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
-                     num_blocks=num_blocks)
+                     num_blocks=num_blocks, max_num_batched_tokens=budget or llm.engine.config.max_num_batched_tokens)
     return Engine(config, llm.model, PagedKVPool(llm.model_config, llm.model.ops, num_blocks), llm.tokenizer)
 
 
@@ -276,11 +278,68 @@ def draw_throughput_h200() -> Figure:
     fig.tight_layout()
     return fig
 
+CHUNK_BUDGET = 96   # tokens per step in the chunked-prefill figure: small enough to see the chunks
+
+
+@lru_cache(maxsize=1)
+def measure_chunked_prefill(budget: int = CHUNK_BUDGET) -> dict:
+    """Four short chat requests decoding, then the checkpoint's longest prompt arriving, through an engine
+    whose step budget is `budget` tokens: per step, the tokens each sequence computed."""
+    llm = cpu_llm()
+    engine = engine_on(llm, max_num_seqs=8, budget=budget)
+    prompts = checkpoint.chat_prompts(llm)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts[:4]]
+    long_prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": " ".join(checkpoint.PROMPTS)}])
+    first = engine.steps
+    for step in range(200):
+        if step == 6:
+            seqs.append(engine.add_request(long_prompt, SamplingParams(temperature=0, max_tokens=8)))
+        if not engine.has_work():
+            break
+        engine.step()
+    trace = engine.trace_since(first)
+    ids = [s.seq_id for s in seqs]
+    grid = np.zeros((len(seqs), len(trace)), np.int32)   # tokens computed per (sequence, step)
+    for j, t in enumerate(trace):
+        for seq_id, count in zip(t["prefill"], t["chunks"]):
+            grid[ids.index(seq_id), j] = count
+        for seq_id in t["decode"]:
+            grid[ids.index(seq_id), j] = 1
+    return {"grid": grid, "budget": budget, "long_prompt": len(long_prompt), "prompt_lens": [len(s.prompt_ids) for s in seqs]}
+
+
+def draw_chunked_prefill() -> Figure:
+    """Tokens computed per step and sequence under a token budget: decodes first, then the prompt in chunks."""
+    m = measure_chunked_prefill()
+    grid, budget = m["grid"], m["budget"]
+    fig = Figure(figsize=(12, 4.2))
+    ax = fig.subplots()
+    bottom = np.zeros(grid.shape[1])
+    colors = ["#4C72B0", "#55A868", "#8172B2", "#CCB974", "#C44E52"]
+    for i, row in enumerate(grid):
+        label = (f"request {i} ({m['prompt_lens'][i]}-token prompt)" if i < len(grid) - 1
+                 else f"the long prompt ({m['long_prompt']} tokens), arriving at step 6")
+        ax.bar(np.arange(grid.shape[1]), row, bottom=bottom, color=colors[i % len(colors)], label=label, width=0.85)
+        bottom += row
+    ax.axhline(budget, color="black", lw=1, ls="--")
+    ax.annotate(f"budget: {budget} tokens per step", (9, budget), ha="left", va="bottom", fontsize=9)
+    ax.set_ylim(0, budget * 1.6)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("tokens computed")
+    ax.set_title("chunked prefill: every running request decodes one token per step; the prompts fill what is left "
+                 "(SmolLM2-135M, CPU)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = {
     "ch07_gantt.png": draw_gantt,
     "ch07_pool_usage.png": draw_pool_usage,
     "ch07_throughput_vs_concurrency.png": draw_throughput_vs_concurrency,
     "ch07_prefix_hits.png": draw_prefix_hits,
+    "ch07_chunked_prefill.png": draw_chunked_prefill,
     "ch07_throughput_h200.png": draw_throughput_h200,
     "ch07_server_batch.png": server_demo.draw_server_batch,
 }

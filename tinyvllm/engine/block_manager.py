@@ -95,6 +95,14 @@ class BlockManager:
         """1 if the sequence's next token opens a new block, else 0."""
         return int(self.lengths[seq] % BLOCK_SIZE == 0)
 
+    def blocks_to_extend(self, seq: int, count: int) -> int:
+        """New blocks for `count` more tokens of a sequence that has blocks (the next chunk of its prompt)."""
+        return blocks_for(self.lengths[seq] + count) - len(self.tables[seq])
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of a new prompt whose K/V are already in the pool; without prefix caching, none."""
+        return 0
+
     def blocks_to_admit(self, token_ids: list[int]) -> int:
         """Free blocks a new prompt takes; without prefix caching, nothing is shared: all of them."""
         return blocks_for(len(token_ids))
@@ -130,12 +138,14 @@ class BlockManager:
 
 # The step plan of the sequences a step runs (chapter 7's scheduler builds it; chapter 6 calls these directly)
 
-def plan_prefill(blocks: BlockManager, seq: int, token_ids: list[int], start: int = 0) -> SeqStep:
-    """Blocks for tokens start .. len(token_ids) - 1 of sequence seq (those before `start` are its cached
-    prefix, already in its table), taken now; returns the plan the model reads for them."""
-    count = len(token_ids) - start
+def plan_prefill(blocks: BlockManager, seq: int, token_ids: list[int], start: int = 0,
+                 count: int | None = None) -> SeqStep:
+    """Blocks for tokens start .. start + count - 1 of sequence seq (all the rest by default; those before
+    `start` are in the pool already: a cached prefix, or earlier chunks), taken now; returns the plan the
+    model reads for them."""
+    count = len(token_ids) - start if count is None else count
     slots = blocks.extend(seq, count) if seq in blocks.tables else blocks.allocate(seq, count)
-    return SeqStep(token_ids[start:], start, slots, blocks.tables[seq])
+    return SeqStep(token_ids[start:start + count], start, slots, blocks.tables[seq])
 
 
 def plan_decode(blocks: BlockManager, seqs: list[int], tokens: list[int]) -> list[SeqStep]:

@@ -84,8 +84,7 @@ class Engine:
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Refuse a prompt this engine cannot run, before it is queued: one line saying why."""
-        check_prompt(prompt_ids, self.max_model_len, self.config.max_num_batched_tokens, self.model.cfg.vocab_size,
-                     self.config.device)
+        check_prompt(prompt_ids, self.max_model_len, self.model.cfg.vocab_size)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = True,
                     detokenize: bool = True) -> Sequence:
@@ -123,20 +122,26 @@ class Engine:
             raise TinyVLLMError(f"the scheduler planned a step that runs nothing while {len(self.scheduler.waiting)} "
                                 f"requests wait and {self.scheduler.blocks.num_free} blocks are free; admit() must "
                                 "admit the first waiting request when nothing is running")  # else: loop forever
-        released = []
-        if step.prefills:   # the plan's prefills skip each prompt's cached prefix
-            logits = prefill_batch(self.model, self.pool, step.plan.prefills)
-            released += self._append_tokens(step.prefills, logits, prefilled=True)
+        prefill_logits = decode_logits = None
+        if step.prefills:   # prompts, or chunks of them; a cached prefix or an earlier chunk is not recomputed
+            prefill_logits = prefill_batch(self.model, self.pool, step.plan.prefills)
         if step.decodes:
-            logits = self.decode(step.plan.decodes)
-            released += self._append_tokens(step.decodes, logits, prefilled=False)
-        self.trace.append({"step": self.steps, "prefill": [s.seq_id for s in step.prefills],
+            decode_logits = self.decode(step.plan.decodes)
+        self.scheduler.computed(step)   # the blocks this step filled become findable (prefix caching)
+        released = []
+        done = [i for i, s in enumerate(step.prefills) if s.num_computed == len(s)]  # whole prompt in the pool
+        if done:
+            rows = prefill_logits if len(done) == len(step.prefills) else prefill_logits[done]
+            released += self._append_tokens([step.prefills[i] for i in done], rows)
+        if step.decodes:
+            released += self._append_tokens(step.decodes, decode_logits)
+        self.trace.append({"step": self.steps, "prefill": [s.seq_id for s in step.prefills], "chunks": step.chunks,
                            "decode": [s.seq_id for s in step.decodes], "preempted": [s.seq_id for s in step.preempted],
                            "free_blocks": self.scheduler.blocks.num_free})
         self.steps += 1
         return released
 
-    def _append_tokens(self, seqs: list[Sequence], logits, prefilled: bool) -> list[tuple[Sequence, str]]:
+    def _append_tokens(self, seqs: list[Sequence], logits) -> list[tuple[Sequence, str]]:
         """Sample each row, record the tokens, retire the finished. A failure is caught per sequence."""
         tokens = self._greedy_tokens(seqs, logits)
         for i, seq in enumerate(seqs):
@@ -148,7 +153,7 @@ class Engine:
             if seq.status is Status.FINISHED:   # its sampling or its logprobs failed just now
                 out.append((seq, ""))
             else:
-                out.append((seq, self._isolated(seq, self._record, seq, tokens[i], top.get(i), prefilled) or ""))
+                out.append((seq, self._isolated(seq, self._record, seq, tokens[i], top.get(i)) or ""))
         return out
 
     def _greedy_tokens(self, seqs: list[Sequence], logits) -> dict[int, int]:
@@ -180,11 +185,12 @@ class Engine:
             return {}
         return {i: (chosen[r], ranks[r], top[r], values[r]) for r, i in enumerate(asked)}
 
-    def _record(self, seq: Sequence, token: int, top: tuple | None, prefilled: bool) -> str:
+    def _record(self, seq: Sequence, token: int, top: tuple | None) -> str:
         """Append the token (and its logprobs); cache newly full blocks; free a finished sequence's blocks."""
         entries = None if top is None else logprob_entries(token, *top, seq.params.logprobs, self._token_text)
         text = seq.append(token, entries)
-        self.scheduler.update(seq, prefilled)   # blocks just filled become findable; a finished seq leaves
+        if seq.status is Status.FINISHED:
+            self.scheduler.finish(seq)   # its slot and blocks go back now: the next step can use them
         return text
 
     def _token_text(self, token: int) -> str:

@@ -25,8 +25,9 @@ class EngineConfig:
     num_blocks: int | None = None                # KV pool blocks of 16 tokens: None = what memory allows
     gpu_memory_utilization: float = 0.9          # share of the GPU's memory for weights, buffers and the pool
     max_num_seqs: int = 256                      # sequences running at once
-    max_num_batched_tokens: int | None = None    # tokens per step: None = the step buffers' rows
-    enable_prefix_caching: bool = False
+    max_num_batched_tokens: int | None = None    # the token budget of a step (its buffers' rows): None = the
+                                                 # device's MAX_STEP_TOKENS; longer prompts go in chunks
+    enable_prefix_caching: bool = True           # vLLM v1's default: full blocks shared between prompts
     enforce_eager: bool = False                  # no CUDA graphs for decode
 
     def __post_init__(self) -> None:
@@ -42,8 +43,8 @@ class EngineConfig:
         return [f.name for f in fields(cls)]
 
     def step_tokens(self, device: str, model_len: int) -> int:
-        """Rows of the model's step buffers: a step's token budget, at most the default for the device."""
-        return min(self.max_num_batched_tokens or MAX_STEP_TOKENS[device], MAX_STEP_TOKENS[device], model_len)
+        """Rows of the model's step buffers: the step's token budget (the device's default unless asked)."""
+        return min(self.max_num_batched_tokens or MAX_STEP_TOKENS[device], model_len)
 
     def clamped(self, device: str, model_len: int, num_blocks: int) -> EngineConfig:
         """These settings as the engine will run them, on `device`, with a model whose context is model_len

@@ -217,7 +217,7 @@ def run_engine_core(config: EngineConfig, commands_address: str, reports_address
 def engine_info(engine) -> dict:
     """What the API side needs to check requests before they reach the engine."""
     config = engine.config
-    return {"max_model_len": config.max_model_len, "max_prompt_tokens": config.max_num_batched_tokens,
+    return {"max_model_len": config.max_model_len, "max_num_batched_tokens": config.max_num_batched_tokens,
             "vocab_size": engine.model.cfg.vocab_size, "num_blocks": config.num_blocks, "device": config.device,
             "max_num_seqs": config.max_num_seqs, "model_dir": str(engine.model.model_dir)}
 
@@ -305,7 +305,11 @@ class EngineClient:
     def close(self) -> None:
         """Ask the engine to stop, wait a moment, then make sure it has."""
         if self.alive():
-            self._send(None)
+            try:   # never wait to deliver it: an engine that is exiting on its own has no socket to take it
+                with self._lock:
+                    self._commands.send(pickle.dumps(None), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
             if self.in_thread:
                 self.process.join(timeout=10)
             else:

@@ -1,12 +1,16 @@
 """Chapter 7: prefix caching — a full block computed once serves every request whose prompt starts the same way.
 
 A full block's K/V depend on its 16 tokens AND on everything before them, so a block is named by
-a hash of (the previous block's hash, its 16 token ids): equal hashes mean equal prefixes, and the
+a hash of (the previous block's hash, its 16 token ids): equal chains mean equal prefixes, and the
 chain of hashes of a new prompt finds how many of its leading blocks already sit in the pool.
 Those are shared (reference count + 1) instead of recomputed; prefill runs only on the tail.
+A hash only points at a candidate: a hit is a block whose 16 token ids, and whose parent block, are
+the prompt's — two different prefixes whose hashes collide never share K/V.
 
-A cached block nobody uses any more is not freed at once: it waits, least recently used first, in
-case another request wants it, and is evicted only when a free block is needed.
+Each block is hashed once, when it fills: a sequence keeps the chain of its full blocks' hashes and
+extends it (a prompt's lookup hashes the prompt once more, at admission). A cached block nobody uses any
+more is not freed at once: it waits, least recently used first, in case another request wants it, and
+is evicted only when a free block is needed.
 """
 from __future__ import annotations
 
@@ -16,11 +20,16 @@ from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.model.kv_pool import BLOCK_SIZE, blocks_for
 
 
-def block_hashes(token_ids: list[int]) -> list[int]:
-    """The chained hash of every FULL block of a token sequence."""
-    hashes, parent = [], None
-    for start in range(0, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
-        parent = hash((parent, tuple(token_ids[start:start + BLOCK_SIZE])))
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The name of a full block: its tokens, chained to the name of the block before it."""
+    return hash((parent, tokens))
+
+
+def chain_hashes(token_ids: list[int], first: int = 0, parent: int | None = None) -> list[int]:
+    """The chained hashes of full blocks first, first + 1, ... of a token sequence (parent: block first - 1's)."""
+    hashes = []
+    for start in range(first * BLOCK_SIZE, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = block_hash(parent, tuple(token_ids[start:start + BLOCK_SIZE]))
         hashes.append(parent)
     return hashes
 
@@ -30,6 +39,8 @@ class PrefixCachingBlockManager(BlockManager):
         super().__init__(num_blocks)
         self.cached: dict[int, int] = {}             # block hash -> physical block holding those K/V
         self.hash_of: dict[int, int] = {}            # physical block -> its hash (the reverse map)
+        self.content: dict[int, tuple] = {}          # physical block -> (its parent block, its 16 token ids)
+        self.chains: dict[int, list[int]] = {}       # sequence -> hashes of its full blocks so far
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused blocks: oldest use first
         self.hits = self.queries = 0                 # prompt blocks found in the cache / looked up
 
@@ -38,15 +49,20 @@ class PrefixCachingBlockManager(BlockManager):
         return len(self.free_blocks) + len(self.evictable)
 
     def cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """The cached blocks a new prompt can share: its leading full blocks found by hash. A full hit
-        leaves the last block out, so prefill still has a token to compute (and to take logits from)
-        and never writes into a block another sequence shares."""
-        shared = []
-        for h in block_hashes(token_ids)[:(len(token_ids) - 1) // BLOCK_SIZE]:
-            if h not in self.cached:
-                break
-            shared.append(self.cached[h])
+        """The cached blocks a new prompt can share: its leading full blocks found by hash, their tokens
+        and parents checked. A full hit leaves the last block out, so prefill still has a token to compute
+        (and to take logits from) and never writes into a block another sequence shares."""
+        shared, parent = [], None
+        for i, h in enumerate(chain_hashes(token_ids[:(len(token_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE])):
+            block = self.cached.get(h)
+            if block is None or self.content[block] != (parent, tuple(token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])):
+                break                                  # not cached, or a hash collision: compute from here on
+            shared.append(block)
+            parent = block
         return shared
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        return len(self.cached_prefix(token_ids)) * BLOCK_SIZE
 
     def blocks_to_admit(self, token_ids: list[int]) -> int:
         """Free blocks a new prompt takes: its uncached tail, plus cached blocks that were evictable
@@ -65,13 +81,19 @@ class PrefixCachingBlockManager(BlockManager):
                 del self.evictable[block]              # back in use: no longer a candidate for eviction
             self.ref_counts[block] += 1
         self.tables[seq], self.lengths[seq] = shared, len(shared) * BLOCK_SIZE
+        self.chains[seq] = [self.hash_of[b] for b in shared]
         return self.lengths[seq]
 
     def cache_full_blocks(self, seq: int, token_ids: list[int]) -> None:
-        """Name the sequence's full blocks by their hashes, so later prompts can find them."""
-        for block, h in zip(self.tables[seq], block_hashes(token_ids[:self.lengths[seq]])):
+        """Name the sequence's blocks that filled since the last call, so later prompts can find them."""
+        chain, table = self.chains.setdefault(seq, []), self.tables[seq]
+        new = chain_hashes(token_ids[:self.lengths[seq]], len(chain), chain[-1] if chain else None)
+        for i, h in enumerate(new, start=len(chain)):
+            block = table[i]
             if block not in self.hash_of and h not in self.cached:
                 self.cached[h], self.hash_of[block] = block, h
+                self.content[block] = (table[i - 1] if i else None, tuple(token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
+        chain += new
 
     def free(self, seq: int) -> None:
         for block in self.tables.pop(seq):
@@ -82,10 +104,11 @@ class PrefixCachingBlockManager(BlockManager):
                 else:
                     self.free_blocks.append(block)
         del self.lengths[seq]
+        self.chains.pop(seq, None)
 
     def _take(self) -> int:
         if not self.free_blocks:                       # evict the least recently used cached block
             block, _ = self.evictable.popitem(last=False)
-            del self.cached[self.hash_of.pop(block)]
+            del self.cached[self.hash_of.pop(block)], self.content[block]
             self.free_blocks.append(block)
         return super()._take()

@@ -1,12 +1,17 @@
-"""Chapter 7: the scheduler — which sequences run in the next step, and the blocks they run in.
+"""Chapter 7: the scheduler — which tokens of which sequences run in the next step, and in which blocks.
 
-The scheduler owns the block manager. Each step it answers two questions, in this order:
-  1. Can every running sequence decode one more token? Each may need a new block. When the pool is
+The scheduler owns the block manager. Each step has a token budget, max_num_batched_tokens (the rows of
+the model's step buffers), spent in this order (vLLM v1's rule):
+  1. Every running sequence that decodes gets one token. Each may need a new block; when the pool is
      empty, the YOUNGEST running sequence is preempted: its blocks go back to the pool and it goes to
      the front of the queue, to be recomputed from its tokens (prompt + output so far) later.
-  2. Which waiting sequences start now? In arrival order (FIFO: nobody is overtaken), while there is a
-     free slot (max_num_seqs), room in the step's token budget (max_num_batched_tokens) and blocks
-     for the prompt. The first that does not fit stops admission, so a long prompt is not starved.
+  2. A prompt already started (too long for one step's budget) continues with its next chunk: as much
+     of the rest as the budget left allows.
+  3. Waiting sequences start, in arrival order (FIFO: nobody is overtaken), while there is a free slot
+     (max_num_seqs), budget left and blocks: each with as much of its prompt as the budget left allows
+     (its cached prefix costs nothing). The first that does not fit stops admission.
+So a prompt can be as long as the context window, and a long prompt never stalls the running sequences:
+they keep decoding while it goes through, chunk by chunk.
 Then it takes the blocks it promised and hands the model a plan (tinyvllm/model/step_plan.py): per
 sequence, the tokens to compute, their positions, their slots and its block table. The model only reads
 the plan. A finished sequence leaves the running set (and its blocks the pool) before the next step is
@@ -21,13 +26,13 @@ from tinyvllm.engine import block_manager
 from tinyvllm.engine.block_manager import plan_decode, plan_prefill
 from tinyvllm.engine.sequence import Sequence, Status
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.model.kv_pool import BLOCK_SIZE
 from tinyvllm.model.step_plan import StepPlan
 
 
 @dataclass
 class Step:
-    prefills: list[Sequence] = field(default_factory=list)   # admitted now: their tokens go through prefill
+    prefills: list[Sequence] = field(default_factory=list)   # prompts (or chunks of them) through prefill
+    chunks: list[int] = field(default_factory=list)          # how many tokens each of prefills computes
     decodes: list[Sequence] = field(default_factory=list)    # running: one token each
     preempted: list[Sequence] = field(default_factory=list)
     plan: StepPlan = field(default_factory=StepPlan)         # what the model computes: prefills, then decodes
@@ -47,9 +52,6 @@ class Scheduler:
         self.running: list[Sequence] = []        # in admission order: the last one is the youngest
 
     def add(self, seq: Sequence) -> None:
-        if len(seq) > self.max_num_batched_tokens:
-            raise TinyVLLMError(f"the prompt has {len(seq)} tokens; a step takes at most "
-                                f"{self.max_num_batched_tokens} (max_num_batched_tokens)")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -62,13 +64,13 @@ class Scheduler:
         return step
 
     def decide(self) -> Step:
-        """Who runs this step: decodes first (preempting the youngest while blocks are short), then
-        admissions. Decided on counts of free blocks; no new block is taken yet (an admitted prompt only
-        shares its cached prefix blocks)."""
+        """Who runs this step, and how many tokens each: decodes, then started prompts, then new ones.
+        Decided on counts of free blocks; no new block is taken yet (an admitted prompt only shares its
+        cached prefix blocks)."""
         step, free = Step(), self.blocks.num_free      # free: blocks not yet promised to anyone this step
         for seq in list(self.running):                 # oldest first: the oldest are the last to be preempted
-            if seq.status is not Status.RUNNING:
-                continue                               # preempted a moment ago for an older sequence
+            if seq.status is not Status.RUNNING or not seq.decoding:
+                continue                               # preempted a moment ago, or still in its prompt
             need = self.blocks.blocks_to_append(seq.seq_id)
             while need > free and seq.status is Status.RUNNING:
                 victim = choose_victim(self.running)   # the youngest (perhaps seq itself)
@@ -80,15 +82,31 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 free -= need
                 step.decodes.append(seq)
+        budget = self.max_num_batched_tokens - len(step.decodes)
+        for seq in self.running:                       # prompts started in an earlier step: the next chunk
+            if seq.decoding or seq in step.decodes:
+                continue
+            count = min(len(seq) - seq.num_computed, budget)
+            need = self.blocks.blocks_to_extend(seq.seq_id, count) if count else 0
+            if not count or need > free:
+                return step                            # no room for the oldest started prompt: nobody starts
+            free, budget = free - need, budget - count
+            step.prefills.append(seq)
+            step.chunks.append(count)
         if not step.preempted:                         # the pool just ran dry: admit nobody this step
-            admit(self, step, free)
+            admit(self, step, free, budget)
         return step
 
     def allocate(self, step: Step) -> None:
         """Take the blocks decide() promised and write the plan: the model gets slots and tables, never
-        the block manager. Prefills first (each prompt's uncached tail), then one slot per decode."""
-        step.plan = StepPlan([plan_prefill(self.blocks, s.seq_id, s.token_ids, s.num_cached) for s in step.prefills],
-                             plan_decode(self.blocks, [s.seq_id for s in step.decodes], [s.last_token for s in step.decodes]))
+        the block manager. Prefills first (each its chunk, after its cached prefix or earlier chunks), then
+        one slot per decode."""
+        prefills = [plan_prefill(self.blocks, s.seq_id, s.token_ids, s.num_computed, count)
+                    for s, count in zip(step.prefills, step.chunks)]
+        decodes = plan_decode(self.blocks, [s.seq_id for s in step.decodes], [s.last_token for s in step.decodes])
+        for seq, count in zip(step.prefills + step.decodes, step.chunks + [1] * len(step.decodes)):
+            seq.num_computed += count                  # their K/V are in the pool once the step has run
+        step.plan = StepPlan(prefills, decodes)
 
     def _preempt(self, seq: Sequence) -> int:
         """Preemption by recompute: free everything now, redo the prefill of all its tokens later.
@@ -100,12 +118,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return self.blocks.num_free - before
 
-    def update(self, seq: Sequence, prefilled: bool) -> None:
-        """After a step gave seq a token: name its newly full blocks (prefix caching), retire it if finished."""
-        if self.prefix_caching and (prefilled or self.blocks.lengths[seq.seq_id] % BLOCK_SIZE == 0):
-            self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids)
-        if seq.status is Status.FINISHED:
-            self.finish(seq)
+    def computed(self, step: Step) -> None:
+        """After the model ran the step: with prefix caching, the blocks it filled become findable."""
+        if self.prefix_caching:
+            for seq in step.prefills + step.decodes:
+                if seq.status is not Status.FINISHED:
+                    self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids)
 
     def finish(self, seq: Sequence) -> None:
         """A finished (or aborted) sequence gives its slot and its blocks back at once."""
@@ -119,22 +137,26 @@ class Scheduler:
 
 # The two decisions, as module-level functions (chapter 7's exercises replace them)
 
-def admit(scheduler: Scheduler, step: Step, free: int) -> None:
+def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
     """Move waiting sequences to running, in arrival order, while each fits: a free slot (max_num_seqs),
-    room in the step's token budget, and `free` blocks (those not yet promised this step). Each one
-    admitted goes into step.prefills; the first that does not fit ends admission (FIFO)."""
-    budget = scheduler.max_num_batched_tokens
-    while scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
+    tokens left in the step's budget, and `free` blocks (those not yet promised this step). A sequence
+    computes what its cached prefix does not hold, as much of it as the budget allows (a chunk; the
+    rest follows in the next steps). Each one admitted goes into step.prefills, its token count into
+    step.chunks; the first that does not fit ends admission (FIFO)."""
+    blocks = scheduler.blocks
+    while scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs and budget > 0:
         seq = scheduler.waiting[0]
-        need = scheduler.blocks.blocks_to_admit(seq.token_ids)
-        if len(seq) > budget or need > free:
+        cached = blocks.cached_tokens(seq.token_ids)      # a prefix-cache hit costs no budget
+        count = min(len(seq) - cached, budget)
+        need = blocks.blocks_to_admit(seq.token_ids[:cached + count])
+        if need > free:
             break                                      # the head waits for room, nobody overtakes it
         scheduler.waiting.popleft()
-        seq.status, free = Status.RUNNING, free - need
-        seq.num_cached = scheduler.blocks.admit(seq.seq_id, seq.token_ids)  # prefix-cache hit, in tokens
-        budget -= len(seq) - seq.num_cached
+        seq.status, free, budget = Status.RUNNING, free - need, budget - count
+        seq.num_cached = seq.num_computed = blocks.admit(seq.seq_id, seq.token_ids)  # recounted at every admission
         scheduler.running.append(seq)
         step.prefills.append(seq)
+        step.chunks.append(count)
 
 
 def choose_victim(running: list[Sequence]) -> Sequence:

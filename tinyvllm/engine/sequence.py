@@ -1,7 +1,7 @@
 """Chapter 7: one request as the scheduler sees it — its tokens, its sampling state, its text so far.
 
-A sequence is WAITING (queued, or preempted and queued again), RUNNING (its K/V are in the cache and it
-decodes one token per step) or FINISHED. Its text is built token by token: complete UTF-8 only, and
+A sequence is WAITING (queued, or preempted and queued again), RUNNING (its prompt goes through prefill,
+in chunks if the step's token budget is smaller, then it decodes one token per step) or FINISHED. Its text is built token by token: complete UTF-8 only, and
 never past a stop string (the last few characters are held back until they cannot start one).
 """
 from __future__ import annotations
@@ -16,19 +16,16 @@ from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer
 
 
 class PromptTooLong(TinyVLLMError):
-    """A prompt past the context window or a step's prefill buffers (the server's context_length_exceeded)."""
+    """A prompt past the context window (the server's context_length_exceeded)."""
 
 
-def check_prompt(ids: list[int], max_model_len: int, max_prompt_tokens: int, vocab_size: int, device: str) -> None:
+def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
     """Refuse a prompt the engine cannot run, before it is queued: one line saying why."""
     if not ids:
         raise TinyVLLMError("the prompt is empty; give at least one token")
     if len(ids) >= max_model_len:
         raise PromptTooLong(f"the prompt has {len(ids)} tokens but the context window is {max_model_len}; "
                             "shorten the prompt")
-    if len(ids) > max_prompt_tokens:
-        raise PromptTooLong(f"the prompt has {len(ids)} tokens; prefill on the {device} takes at most "
-                            f"{max_prompt_tokens}; shorten the prompt")
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
         raise TinyVLLMError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
@@ -60,6 +57,7 @@ class Sequence:
     finish_time: float | None = None
     preemptions: int = 0
     num_cached: int = 0                # tokens found in the prefix cache when it was last admitted
+    num_computed: int = 0              # tokens whose K/V are in the pool (cached ones included)
     incremental: bool = True           # text token by token (streaming, stop strings); else once, at the end
     detokenize: bool = True            # False: no text at all (the server's API process decodes the ids)
 
@@ -88,6 +86,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def decoding(self) -> bool:
+        """All its K/V are in the pool but the newest token's: the next step computes one token."""
+        return self.num_computed == len(self) - 1
 
     def append(self, token: int, logprobs: dict[int, Logprob] | None = None) -> str:
         """Record a sampled token (and its logprobs, if asked for); returns the text it releases (possibly "").

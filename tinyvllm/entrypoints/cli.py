@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--num-blocks", type=_positive_int, help="KV cache blocks of 16 tokens (default: from memory)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, buffers and the KV cache")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of prompt prefixes seen before (shared system prompts, n > 1)")
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int,
+                        help="a step's token budget; longer prompts are prefilled in chunks (default: 4096 on "
+                             "the CPU, 8192 on a GPU)")
 
     gen = sub.add_parser("generate", parents=[debug, engine],
                          help="answer a prompt, streaming the text (several prompts: batched together)")
@@ -74,8 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests allowed to wait for a slot; past it a request gets 429")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes (or set TINYVLLM_API_KEY)")
-    serve.add_argument("--enable-prefix-caching", action="store_true",
-                       help="reuse the KV blocks of prompt prefixes seen before (shared system prompts, n > 1)")
 
     info = sub.add_parser("info", parents=[debug],
                           help="the model's config and memory map (weights and buffers)")
@@ -103,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 def build_llm(args, **settings):
     from tinyvllm.entrypoints.llm import LLM
     return LLM(args.model, device=args.device, num_blocks=args.num_blocks,
-               gpu_memory_utilization=args.gpu_memory_utilization, **settings)
+               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+               max_num_batched_tokens=args.max_num_batched_tokens, **settings)
 
 
 def cmd_generate(args) -> None:
@@ -174,7 +178,7 @@ def cmd_serve(args) -> None:
     from tinyvllm.entrypoints.server import Server
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(args.model, args.device, args.max_model_len, args.num_blocks, args.gpu_memory_utilization,
-                          args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching)
+                          args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching)
     server = Server(config, args.model, args.host, args.port, args.max_queue, api_key=args.api_key)
     info = server.engine.info
     print(f"serving {args.model!r} on {info['device']} (context window {info['max_model_len']} tokens): "

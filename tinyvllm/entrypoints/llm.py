@@ -59,7 +59,7 @@ class LLM:
 
     def __init__(self, model: str = "default", device: str = "auto", max_model_len: int | None = None,
                  num_blocks: int | None = None, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False):
         self.engine = Engine.from_config(EngineConfig(model, device, max_model_len, num_blocks, gpu_memory_utilization,
                                                       max_num_seqs, max_num_batched_tokens, enable_prefix_caching,

@@ -341,7 +341,7 @@ def check_prompt(ids: list[int], max_tokens: int | None, info: dict) -> None:
     """Refuse what cannot fit in the context window, rather than quietly cutting the answer short."""
     window = info["max_model_len"]
     try:
-        sequence.check_prompt(ids, window, info["max_prompt_tokens"], info["vocab_size"], info["device"])
+        sequence.check_prompt(ids, window, info["vocab_size"])
     except sequence.PromptTooLong as e:
         raise ApiError(400, str(e), param="prompt", code="context_length_exceeded") from None
     except TinyVLLMError as e:

@@ -75,6 +75,15 @@ class ContiguousKVCache(KVPool):
         starts = np.asarray([int(s.slots[0]) - s.start for s in steps], dtype=np.int32)  # the row's first slot
         return self.ops.to_device(starts), self.ops.to_device(np.asarray(lengths, dtype=np.int32))
 
+    chunk_attention = "decode_attention"  # a prompt after cached tokens: one decode query per row
+
+    def chunk_where(self, step: SeqStep) -> tuple:
+        """Where the queries of a chunk find their keys: row i reads its sequence's first start + i + 1 slots."""
+        T = len(step.token_ids)
+        starts = np.full(T, int(step.slots[0]) - step.start, dtype=np.int32)
+        lengths = np.arange(step.start + 1, step.end + 1, dtype=np.int32)
+        return self.ops.to_device(starts), self.ops.to_device(lengths)
+
     def view(self, seq: int, layer: int):
         """(K, V) of one sequence in one layer: (lengths[seq], kv_heads, head_dim) each."""
         rows = slice(seq * self.max_len, seq * self.max_len + self.lengths[seq])
@@ -94,15 +103,17 @@ class PagedKVPool(KVPool):
         super().__init__(cfg, ops, (num_blocks + 1) * BLOCK_SIZE)
         self.num_blocks, self.scratch_block = num_blocks, num_blocks
 
+    chunk_attention = "chunk_attention"  # a prompt after cached tokens (or earlier chunks): through its table
+
+    def chunk_where(self, step: SeqStep) -> tuple:
+        """chunk_attention's inputs for one chunk: its sequence's block table, and its first position."""
+        return self.ops.to_device(np.asarray(step.block_table, dtype=np.int32)), step.start
+
     def where(self, steps: list[SeqStep], lengths: np.ndarray) -> tuple:
         """paged_attention's inputs: row b's block table (padded with -1, never read past lengths[b])."""
         tables = np.full((len(steps), max(len(s.block_table) for s in steps)), -1, dtype=np.int32)
-        rows: dict[int, int] = {}
-        for b, s in enumerate(steps):     # a chunk's tokens share one table: copy the row written first
-            if id(s) in rows:
-                tables[b] = tables[rows[id(s)]]
-            else:
-                rows[id(s)], tables[b, :len(s.block_table)] = b, s.block_table
+        for b, s in enumerate(steps):
+            tables[b, :len(s.block_table)] = s.block_table
         return self.ops.to_device(tables), self.ops.to_device(np.asarray(lengths, dtype=np.int32))
 
 

@@ -3,8 +3,9 @@
 T tokens make every projection a real matrix multiply (T x hidden times hidden x out), which is
 what GPUs are built for; decode (chapter 5) is the GEMV-shaped opposite. The layer loop is the model's
 one forward pass (run_layers in model.py); prefill only decides how attention reads K and V: a fresh
-prompt attends to itself (the prefill attention kernel), a prompt after a cached prefix (chapter 7)
-reads the pool, each of its tokens a query whose context ends at its own position.
+prompt attends to itself (the prefill attention kernel); a chunk that follows tokens already in the pool
+(a cached prefix, or the earlier chunks of a long prompt: chapter 7) reads the pool, each of its tokens
+a query whose context ends at its own position.
 
 Only each prompt's last position gets logits: the others would be thrown away.
 """
@@ -43,24 +44,16 @@ def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = F
     ends = np.cumsum([len(s.token_ids) for s in steps])
     positions = np.concatenate([np.arange(s.start, s.end) for s in steps])
     H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    reads_pool = [(end - len(s.token_ids), end, s) for s, end in zip(steps, ends) if s.start]
-    where = None
-    if reads_pool:   # one upload for every row that reads the pool: its table, and its context (position + 1)
-        rows = [s for _, _, s in reads_pool for _ in s.token_ids]
-        where = pool.where(rows, np.concatenate([positions[a:b] + 1 for a, b, _ in reads_pool]))
-    attention = getattr(ops, pool.attention)
+    # each chunk's rows, and where it reads keys from the pool: uploaded once, read by every layer
+    rows = [(end - len(s.token_ids), end, pool.chunk_where(s) if s.start else None) for s, end in zip(steps, ends)]
+    read_pool = getattr(ops, pool.chunk_attention)
 
     def attend(layer: int, qkv, attn) -> None:
-        done = 0
-        for s, end in zip(steps, ends):
-            start = end - len(s.token_ids)
-            if not s.start:
-                ops.prefill_attention(qkv[start:end], attn[start:end], H, KVH, D)
-            else:
-                rows = slice(done, done + end - start)
-                attention(qkv[start:end], pool.k[layer], pool.v[layer], where[0][rows], where[1][rows],
-                          attn[start:end], H)
-                done += end - start
+        for a, b, where in rows:
+            if where is None:   # a fresh prompt attends to itself: the prefill kernel
+                ops.prefill_attention(qkv[a:b], attn[a:b], H, KVH, D)
+            else:               # after cached tokens or earlier chunks: its keys are in the pool
+                read_pool(qkv[a:b], pool.k[layer], pool.v[layer], *where, attn[a:b], H)
 
     ids, positions, slots = (ops.to_device(np.asarray(a, dtype=np.int32)) for a in
                              (np.concatenate([s.token_ids for s in steps]), positions,

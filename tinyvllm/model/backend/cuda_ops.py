@@ -198,3 +198,20 @@ def _launch_decode(name: str, qkv, k_cache, v_cache, where: tuple, out, num_head
     k((kv_heads, out.shape[0], splits), (DECODE_THREADS,),
       (qkv, k_cache, v_cache, *where, out, np.int32(kv_heads), np.int32(qkv.strides[0] // 2),
        np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5), *extra))
+
+
+def chunk_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, block_table: cp.ndarray,
+                    start: int, out: cp.ndarray, num_heads: int) -> None:
+    """A chunk of one sequence's prompt (chapter 7): row i is the query at position start + i, attending to
+    the sequence's keys 0 .. start + i, read through its block table (kernels/prefill_attention.cu)."""
+    _, kv_heads, head_dim = k_cache.shape
+    assert head_dim in PREFILL_HEAD_DIMS, f"the attention kernel is built for head_dim {PREFILL_HEAD_DIMS}"
+    assert qkv.strides[0] % 16 == 0 and k_cache.flags.c_contiguous and block_table.dtype == np.int32
+    _rows_ok(qkv, out)
+    T = qkv.shape[0]
+    k = kernel("prefill_attention", f"chunk_attention_d{head_dim}")
+    smem = 3 * PREFILL_TILE * (head_dim + PREFILL_SMEM_PAD) * 2
+    k.max_dynamic_shared_size_bytes = smem
+    k((-(-T // PREFILL_TILE), num_heads), (PREFILL_THREADS,),
+      (qkv, k_cache, v_cache, block_table, np.int32(start), out, np.int32(T), np.int32(num_heads), np.int32(kv_heads),
+       np.int32(qkv.strides[0] // 2), np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)), shared_mem=smem)

@@ -181,3 +181,25 @@ def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
         slots = block_tables[b, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE  # gather through the table
         q = qkv[b, :num_heads * head_dim].reshape(kv_heads, num_heads // kv_heads, head_dim)
         out[b] = attend_in_chunks(q, k_cache[slots], v_cache[slots]).reshape(-1)
+
+
+def chunk_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
+                    start: int, out: np.ndarray, num_heads: int) -> None:
+    """A chunk of one sequence's prompt (chapter 7): row i of qkv is the query at position start + i, and
+    attends causally to the sequence's keys 0 .. start + i, read through its block table (the chunk's own
+    K/V were stored there first). On the GPU, paged_attention with one row per query (lengths start + i + 1);
+    here the same sums over a gathered context, 512 queries at a time to bound the scores' memory."""
+    T, (_, kv_heads, head_dim) = qkv.shape[0], k_cache.shape
+    group, t = num_heads // kv_heads, np.arange(start + T)
+    slots = block_table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
+    k = k_cache[slots].transpose(1, 2, 0)                                   # (KVH, d, L)
+    v = v_cache[slots].transpose(1, 0, 2)                                   # (KVH, L, d)
+    for a in range(0, T, 512):
+        b = min(a + 512, T)
+        q = qkv[a:b, :num_heads * head_dim].reshape(b - a, kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+        scores = (q @ k[:, None]) * F32(1 / np.sqrt(head_dim))             # (KVH, G, rows, L)
+        scores[:, :, np.arange(start + a, start + b)[:, None] < t[None, :]] = -np.inf   # keys after the query
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[a:b] = (scores @ v[:, None]).transpose(2, 0, 1, 3).reshape(b - a, num_heads * head_dim)

@@ -1,13 +1,20 @@
 // Chapter 3 — causal prefill attention, flash style: online softmax over key tiles, on tensor cores.
 // For each query row i and head h (GQA: K/V head h / (num_heads / num_kv_heads)):
-//   out[i, h] = sum_j softmax_j(q_i . k_j * scale) v_j over keys j <= i,
+//   out[i, h] = sum_j softmax_j(q_i . k_j * scale) v_j over keys j <= start + i,
 // computed PREFILL_TILE = 64 keys at a time with a running max m and sum l, so the (T x T) scores never exist.
+// Two kernels share the code and differ only in where a key row is read:
+//   prefill_attention_d{D}  a whole prompt (start = 0): keys are the K and V columns of the same qkv rows;
+//   chunk_attention_d{D}    chapter 7: a chunk of a prompt at positions start .. start + T - 1, after tokens
+//                           already in the paged pool (a cached prefix, earlier chunks); key j is read from
+//                           slot block_table[j / BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE of k_cache / v_cache
+//                           (the chunk's own K/V were stored there first), for j < start + T.
 // Launch: grid (ceil(T / PREFILL_TILE), num_heads), block (PREFILL_THREADS = 128) = 4 warps x 16 query rows;
 //         dynamic shared memory 3 x PREFILL_TILE x (head_dim + PREFILL_SMEM_PAD) bf16 (the Q, K and V tiles,
 //         rows padded by 8).
 //         One kernel per head_dim (16, 32, 64, 128 = constants.PREFILL_HEAD_DIMS): register arrays need a
 //         compile-time size.
 // Layout: qkv bf16 (T, row_stride) = [Q heads | K heads | V heads] per row, after RoPE;
+//         k_cache, v_cache bf16 (slots, num_kv_heads, head_dim) — one layer of the pool; block_table int32;
 //         out bf16 (T, out_stride), head h in columns h*head_dim .. (h+1)*head_dim.
 // Scores, probabilities and the output accumulator live in registers, in the fragment layout of
 // the m16n8k16 tensor-core instruction: thread (g = lane / 4, t = lane % 4) holds rows g and g + 8,
@@ -20,6 +27,9 @@
 #endif
 #ifndef PREFILL_SMEM_PAD
 #error "PREFILL_SMEM_PAD comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef BLOCK_SIZE
+#error "BLOCK_SIZE comes from Python (tinyvllm/model/kv_pool.py, passed on by backend/constants.py) through -D"
 #endif
 #include "common.cuh"
 
@@ -40,21 +50,23 @@ __device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const u
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Copy PREFILL_TILE rows of D bf16 (zeros past `tokens`) from global into a shared tile with row stride
-// D + PREFILL_SMEM_PAD (the padding puts the 8 rows a warp reads at once in different banks), 16 bytes at a time.
-template <int D>
-__device__ void load_tile(__nv_bfloat16* dst, const __nv_bfloat16* src, int first_row, int tokens, int row_stride) {
+// Copy PREFILL_TILE rows of D bf16 (zeros from row `rows` on) from global into a shared tile with row stride
+// D + PREFILL_SMEM_PAD (the padding puts the 8 rows a warp reads at once in different banks), 16 bytes at a
+// time; row(j) is where row j starts in global memory.
+template <int D, typename Row>
+__device__ void load_tile(__nv_bfloat16* dst, Row row, int first_row, int rows) {
     for (int c = threadIdx.x; c < PREFILL_TILE * D / 8; c += blockDim.x) {
         int r = c / (D / 8), col = (c % (D / 8)) * 8;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (first_row + r < tokens) v = *(const uint4*)(src + (long long)(first_row + r) * row_stride + col);
+        if (first_row + r < rows) v = *(const uint4*)(row(first_row + r) + col);
         *(uint4*)(dst + r * (D + PREFILL_SMEM_PAD) + col) = v;
     }
 }
 
-template <int D>
-__device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int tokens, int num_heads,
-                          int num_kv_heads, int row_stride, int out_stride, float scale) {
+// Query rows 0 .. tokens - 1 (positions start ..) against keys 0 .. start + tokens - 1: k_row(j), v_row(j).
+template <int D, typename KRow, typename VRow>
+__device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int tokens, int start, int num_heads,
+                          int num_kv_heads, int row_stride, int out_stride, float scale, KRow k_row, VRow v_row) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int LD = D + PREFILL_SMEM_PAD;
     __nv_bfloat16* Qs = (__nv_bfloat16*)smem;
@@ -66,7 +78,7 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
     const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;  // the two query rows this thread holds
     const float scale_log2 = scale * 1.4426950408889634f;   // exp(x) = exp2(x log2 e): exp2 is one instruction
 
-    load_tile<D>(Qs, qkv + head * D, q0, tokens, row_stride);
+    load_tile<D>(Qs, [=](int j) { return qkv + (long long)j * row_stride + head * D; }, q0, tokens);
     __syncthreads();
     unsigned qf[D / 16][4];  // this warp's 16 query rows as A fragments, loaded once
     for (int k = 0; k < D / 16; k++) {
@@ -79,14 +91,15 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
     float o[D / 8][4] = {};
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's share of the sum
 
-    const int q_cols = num_heads * D, kv_cols = num_kv_heads * D;
-    const int last_key = min(q0 + BQ, tokens) - 1;  // causal: later key tiles are fully masked
+    const int keys = start + tokens;
+    const int last_key = start + min(q0 + BQ, tokens) - 1;  // causal: later key tiles are fully masked
+    const int pos0 = start + row0, pos1 = start + row1;      // the positions of this thread's two query rows
     for (int k0 = 0; k0 <= last_key; k0 += BK) {
         __syncthreads();  // everyone is done with the previous K/V tile
-        load_tile<D>(Ks, qkv + q_cols + kv_head * D, k0, tokens, row_stride);
-        load_tile<D>(Vs, qkv + q_cols + kv_cols + kv_head * D, k0, tokens, row_stride);
+        load_tile<D>(Ks, [=](int j) { return k_row(j) + kv_head * D; }, k0, keys);
+        load_tile<D>(Vs, [=](int j) { return v_row(j) + kv_head * D; }, k0, keys);
         __syncthreads();
-        if (k0 > q0 + warp * 16 + 15) continue;  // every key of this tile is after all of this warp's rows
+        if (k0 > start + q0 + warp * 16 + 15) continue;  // every key of this tile is after all of this warp's rows
 
         // S = Q K^T: K's rows are exactly the column-major B operand.
         float s[BK / 8][4] = {};
@@ -102,8 +115,8 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
         for (int n = 0; n < BK / 8; n++)
             for (int e = 0; e < 2; e++) {
                 int key = k0 + n * 8 + 2 * t + e;
-                s[n][e] = (key <= row0 && key < tokens) ? s[n][e] * scale_log2 : -INFINITY;
-                s[n][2 + e] = (key <= row1 && key < tokens) ? s[n][2 + e] * scale_log2 : -INFINITY;
+                s[n][e] = (key <= pos0 && key < keys) ? s[n][e] * scale_log2 : -INFINITY;
+                s[n][2 + e] = (key <= pos1 && key < keys) ? s[n][2 + e] * scale_log2 : -INFINITY;
                 tile0 = fmaxf(tile0, s[n][e]);
                 tile1 = fmaxf(tile1, s[n][2 + e]);
             }
@@ -153,7 +166,20 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
     extern "C" __global__ void prefill_attention_d##D(const __nv_bfloat16* qkv, __nv_bfloat16* out,      \
                                                       int tokens, int num_heads, int num_kv_heads,        \
                                                       int row_stride, int out_stride, float scale) {      \
-        attention<D>(qkv, out, tokens, num_heads, num_kv_heads, row_stride, out_stride, scale);          \
+        const long long q_cols = num_heads * D, kv_cols = num_kv_heads * D;                              \
+        attention<D>(qkv, out, tokens, 0, num_heads, num_kv_heads, row_stride, out_stride, scale,         \
+                     [=](int j) { return qkv + j * (long long)row_stride + q_cols; },                    \
+                     [=](int j) { return qkv + j * (long long)row_stride + q_cols + kv_cols; });         \
+    }                                                                                                     \
+    extern "C" __global__ void chunk_attention_d##D(                                                      \
+            const __nv_bfloat16* qkv, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,         \
+            const int* block_table, int start, __nv_bfloat16* out, int tokens, int num_heads,              \
+            int num_kv_heads, int row_stride, int out_stride, float scale) {                               \
+        const long long slot_stride = num_kv_heads * D;                                                   \
+        auto slot = [=](int j) { return (long long)block_table[j / BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE; }; \
+        attention<D>(qkv, out, tokens, start, num_heads, num_kv_heads, row_stride, out_stride, scale,     \
+                     [=](int j) { return k_cache + slot(j) * slot_stride; },                              \
+                     [=](int j) { return v_cache + slot(j) * slot_stride; });                             \
     }
 ATTENTION_KERNEL(16)
 ATTENTION_KERNEL(32)
