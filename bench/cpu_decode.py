@@ -56,6 +56,8 @@ def machine() -> dict:
         "numpy": np.__version__,
         "numpy_blas": f"{blas['name']} {blas.get('version', '')}".strip(),
         "numpy_threads": os.environ.get("OPENBLAS_NUM_THREADS") or "default (one per core)",
+        "thread_settings": {name: os.environ.get(name, "default") for name in
+                            ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")},
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "load_average_at_start": os.getloadavg(),  # other processes share the cores: read the numbers with it
@@ -158,7 +160,16 @@ def peak_rss_of_generate(model: str) -> dict:
             "peak_rss_mb": round(peak_kib / 1024, 1)}
 
 
+def warn_if_busy(when: str) -> None:
+    """A figure measured while other processes hold the cores is theirs as much as ours: say so."""
+    load, cores = os.getloadavg()[0], os.cpu_count()
+    if load > cores:
+        print(f"warning: load average {load:.1f} on {cores} cores {when}: these timings include other work; "
+              "measure on a quiet machine", file=sys.stderr)
+
+
 def measure(args) -> dict:
+    warn_if_busy("at the start")
     rss = peak_rss_of_generate(args.model)  # first: the only child, so RUSAGE_CHILDREN is its own peak
     report = {"benchmark": "cpu_decode", "machine": machine(), "source": source_version(), "peak_rss_generate": rss}
     bandwidth = copy_bandwidth()
@@ -171,6 +182,7 @@ def measure(args) -> dict:
     with torch.inference_mode():
         results = run_interleaved(engines, args.tokens, args.chunk, args.warmup, args.settle)
     report["machine"]["load_average_at_end"] = os.getloadavg()
+    warn_if_busy("at the end")
 
     cfg, weight_bytes = llm.model_config, weight_bytes_per_step(llm.model)
     floor_ms = 1e3 * weight_bytes / bandwidth

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -17,7 +18,14 @@ def machine() -> dict:
     return {"gpu": props["name"].decode(), "multiprocessors": props["multiProcessorCount"],
             "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
             "driver": cp.cuda.runtime.driverGetVersion(), "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
-            "cupy": cp.__version__, "python": platform.python_version(), "numpy": np.__version__}
+            "cupy": cp.__version__, "python": platform.python_version(), "numpy": np.__version__,
+            "load_average_at_start": os.getloadavg(), "cpu_cores": os.cpu_count(), "threads": thread_settings()}
+
+
+def thread_settings() -> dict:
+    """The thread counts the host side ran with: BLAS and OpenMP pools change CPU timings a lot."""
+    return {name: os.environ.get(name, "default") for name in
+            ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
 def time_gpu(fn, repeats: int = 10, warmup: int = 3, queued: bool = False) -> float:
@@ -65,6 +73,8 @@ def bf16_gemm_rate(n: int = 8192) -> float:
 
 
 def write_result(name: str, result: dict) -> Path:
+    """bench/results/<name>-<time>.json, with the load average at the end of the run beside the figures."""
+    result = {**result, "load_average_at_end": os.getloadavg()}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2))
