@@ -159,10 +159,12 @@ class EngineCore:
                 updates.append(Update(request_id, [], None, None, "error", f"the engine failed: {one_line(e)}"))
             return None
         self.steps += 1
-        for seq_id in self.engine.trace[-1]["prefill"]:
+        trace = self.engine.trace[-1]
+        for seq_id, count in zip(trace["prefill"], trace["chunks"]):
             seq = self.requests.get(self.names.get(seq_id))
-            if seq is not None:
-                self.queries += len(seq) - 1      # what it prefilled: all but the token it just sampled
+            if seq is not None and seq.num_computed - count == seq.num_cached:   # its first chunk: looked up now
+                sampled = seq.num_computed == len(seq) - 1   # its whole prompt fit this step: a token came out
+                self.queries += len(seq) - sampled           # the tokens the prefix cache was asked about
                 self.hits += seq.num_cached
         record = {key: [self.names.get(i, i) for i in value] if isinstance(value, list) else value
                   for key, value in self.engine.trace[-1].items()}   # sequence ids -> request ids
