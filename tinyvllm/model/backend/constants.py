@@ -17,9 +17,10 @@ ROWS = 256  # 8 warps stride over a row: 576 (SmolLM2) to 2048 (Llama 3.2 1B) co
 ARGMAX_THREADS = 1024  # one block scans a whole vocabulary row: the most a block may have, a power of 2 for the tree
 STORE_KV_THREADS = 128  # 8 bf16 each: 1024 K (and V) columns in one pass, 8 K/V heads x 128 (Llama 3.1 8B)
 
-# Prefill attention (chapter 3): PREFILL_TILE query rows per block, the same number of keys per K/V tile
-PREFILL_TILE = 64  # 4 warps x 16 rows (the m16n8k16 tile); Q, K, V tiles at d 128: 3 x 64 x 136 bf16 = 51 KiB smem
-PREFILL_THREADS = 128  # one warp per 16 query rows of the tile: PREFILL_TILE / 16 warps
+# Prefill attention (chapter 3): PREFILL_TILE query rows per block, PREFILL_KEY_TILE keys per K/V tile
+PREFILL_TILE = 128  # 8 warps x 16 rows (the m16n8k16 tile): each K/V tile loaded serves 128 queries
+PREFILL_KEY_TILE = 64  # keys per tile: a warp's scores stay 64 registers; Q + K + V at d 128: 69 KiB smem
+PREFILL_THREADS = 256  # one warp per 16 query rows of the tile: PREFILL_TILE / 16 warps
 PREFILL_SMEM_PAD = 8  # bf16 per shared-memory row past head_dim: a warp's 8 rows land in different banks
 PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # prefill_attention.cu instantiates one kernel for each (ATTENTION_KERNEL)
 
@@ -50,6 +51,7 @@ KERNEL_CONSTANTS = {
     "ARGMAX_THREADS": ARGMAX_THREADS,
     "STORE_KV_THREADS": STORE_KV_THREADS,
     "PREFILL_TILE": PREFILL_TILE,
+    "PREFILL_KEY_TILE": PREFILL_KEY_TILE,
     "PREFILL_THREADS": PREFILL_THREADS,
     "PREFILL_SMEM_PAD": PREFILL_SMEM_PAD,
     "DECODE_THREADS": DECODE_THREADS,

@@ -21,6 +21,7 @@ from tinyvllm.model.backend.constants import (
     GEMV_THREADS,
     MAX_SPLITS,
     PREFILL_HEAD_DIMS,
+    PREFILL_KEY_TILE,
     PREFILL_SMEM_PAD,
     PREFILL_THREADS,
     PREFILL_TILE,
@@ -115,6 +116,11 @@ def rope(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarra
                                                         np.int32(head_dim), np.int32(qkv.strides[0] // 2)))
 
 
+def prefill_smem(head_dim: int) -> int:
+    """Shared memory of both attention kernels: the Q tile and the K and V tiles, bf16, rows padded."""
+    return (PREFILL_TILE + 2 * PREFILL_KEY_TILE) * (head_dim + PREFILL_SMEM_PAD) * 2
+
+
 def prefill_attention(qkv: cp.ndarray, out: cp.ndarray, num_heads: int, num_kv_heads: int,
                       head_dim: int) -> None:
     assert head_dim in PREFILL_HEAD_DIMS, f"the attention kernel is built for head_dim {PREFILL_HEAD_DIMS}"
@@ -122,7 +128,7 @@ def prefill_attention(qkv: cp.ndarray, out: cp.ndarray, num_heads: int, num_kv_h
     _rows_ok(qkv, out)
     T = qkv.shape[0]
     k = kernel("prefill_attention", f"prefill_attention_d{head_dim}")
-    smem = 3 * PREFILL_TILE * (head_dim + PREFILL_SMEM_PAD) * 2  # the Q, K and V tiles of bf16, rows padded
+    smem = prefill_smem(head_dim)
     k.max_dynamic_shared_size_bytes = smem
     k((-(-T // PREFILL_TILE), num_heads), (PREFILL_THREADS,),
       (qkv, out, np.int32(T), np.int32(num_heads), np.int32(num_kv_heads), np.int32(qkv.strides[0] // 2),
@@ -210,7 +216,7 @@ def chunk_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, b
     _rows_ok(qkv, out)
     T = qkv.shape[0]
     k = kernel("prefill_attention", f"chunk_attention_d{head_dim}")
-    smem = 3 * PREFILL_TILE * (head_dim + PREFILL_SMEM_PAD) * 2
+    smem = prefill_smem(head_dim)
     k.max_dynamic_shared_size_bytes = smem
     k((-(-T // PREFILL_TILE), num_heads), (PREFILL_THREADS,),
       (qkv, k_cache, v_cache, block_table, np.int32(start), out, np.int32(T), np.int32(num_heads), np.int32(kv_heads),

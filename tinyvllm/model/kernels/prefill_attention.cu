@@ -1,16 +1,17 @@
 // Chapter 3 — causal prefill attention, flash style: online softmax over key tiles, on tensor cores.
 // For each query row i and head h (GQA: K/V head h / (num_heads / num_kv_heads)):
 //   out[i, h] = sum_j softmax_j(q_i . k_j * scale) v_j over keys j <= start + i,
-// computed PREFILL_TILE = 64 keys at a time with a running max m and sum l, so the (T x T) scores never exist.
+// computed PREFILL_KEY_TILE = 64 keys at a time with a running max m and sum l, so the (T x T) scores never exist.
 // Two kernels share the code and differ only in where a key row is read:
 //   prefill_attention_d{D}  a whole prompt (start = 0): keys are the K and V columns of the same qkv rows;
 //   chunk_attention_d{D}    chapter 7: a chunk of a prompt at positions start .. start + T - 1, after tokens
 //                           already in the paged pool (a cached prefix, earlier chunks); key j is read from
 //                           slot block_table[j / BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE of k_cache / v_cache
 //                           (the chunk's own K/V were stored there first), for j < start + T.
-// Launch: grid (ceil(T / PREFILL_TILE), num_heads), block (PREFILL_THREADS = 128) = 4 warps x 16 query rows;
-//         dynamic shared memory 3 x PREFILL_TILE x (head_dim + PREFILL_SMEM_PAD) bf16 (the Q, K and V tiles,
-//         rows padded by 8).
+// Launch: grid (ceil(T / PREFILL_TILE), num_heads), block (PREFILL_THREADS = 256) = 8 warps x 16 query rows
+//         (PREFILL_TILE = 128: every K/V tile loaded serves 128 queries);
+//         dynamic shared memory (PREFILL_TILE + 2 x PREFILL_KEY_TILE) x (head_dim + PREFILL_SMEM_PAD) bf16 (the
+//         Q, K and V tiles, rows padded by 8).
 //         One kernel per head_dim (16, 32, 64, 128 = constants.PREFILL_HEAD_DIMS): register arrays need a
 //         compile-time size.
 // Layout: qkv bf16 (T, row_stride) = [Q heads | K heads | V heads] per row, after RoPE;
@@ -21,6 +22,9 @@
 // columns 2t and 2t + 1 of every 16 x 8 tile — so each thread knows which row every value belongs to.
 #ifndef PREFILL_TILE
 #error "PREFILL_TILE comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef PREFILL_KEY_TILE
+#error "PREFILL_KEY_TILE comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
 #ifndef PREFILL_THREADS
 #error "PREFILL_THREADS comes from Python (tinyvllm/model/backend/constants.py) through -D"
@@ -33,7 +37,7 @@
 #endif
 #include "common.cuh"
 
-constexpr int BQ = PREFILL_TILE, BK = PREFILL_TILE;  // query rows per block, keys per K/V tile
+constexpr int BQ = PREFILL_TILE, BK = PREFILL_KEY_TILE;  // query rows per block, keys per K/V tile
 static_assert(PREFILL_THREADS == BQ / 16 * 32, "one warp per 16 query rows (the m16n8k16 tile)");
 static_assert(BK % 16 == 0 && PREFILL_SMEM_PAD % 8 == 0, "whole mma tiles; padded rows stay 16-byte aligned");
 
@@ -50,12 +54,12 @@ __device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const u
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Copy PREFILL_TILE rows of D bf16 (zeros from row `rows` on) from global into a shared tile with row stride
+// Copy TILE rows of D bf16 (zeros from row `rows` on) from global into a shared tile with row stride
 // D + PREFILL_SMEM_PAD (the padding puts the 8 rows a warp reads at once in different banks), 16 bytes at a
 // time; row(j) is where row j starts in global memory.
-template <int D, typename Row>
+template <int D, int TILE, typename Row>
 __device__ void load_tile(__nv_bfloat16* dst, Row row, int first_row, int rows) {
-    for (int c = threadIdx.x; c < PREFILL_TILE * D / 8; c += blockDim.x) {
+    for (int c = threadIdx.x; c < TILE * D / 8; c += blockDim.x) {
         int r = c / (D / 8), col = (c % (D / 8)) * 8;
         uint4 v = make_uint4(0, 0, 0, 0);
         if (first_row + r < rows) v = *(const uint4*)(row(first_row + r) + col);
@@ -78,7 +82,7 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
     const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;  // the two query rows this thread holds
     const float scale_log2 = scale * 1.4426950408889634f;   // exp(x) = exp2(x log2 e): exp2 is one instruction
 
-    load_tile<D>(Qs, [=](int j) { return qkv + (long long)j * row_stride + head * D; }, q0, tokens);
+    load_tile<D, BQ>(Qs, [=](int j) { return qkv + (long long)j * row_stride + head * D; }, q0, tokens);
     __syncthreads();
     unsigned qf[D / 16][4];  // this warp's 16 query rows as A fragments, loaded once
     for (int k = 0; k < D / 16; k++) {
@@ -96,8 +100,8 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
     const int pos0 = start + row0, pos1 = start + row1;      // the positions of this thread's two query rows
     for (int k0 = 0; k0 <= last_key; k0 += BK) {
         __syncthreads();  // everyone is done with the previous K/V tile
-        load_tile<D>(Ks, [=](int j) { return k_row(j) + kv_head * D; }, k0, keys);
-        load_tile<D>(Vs, [=](int j) { return v_row(j) + kv_head * D; }, k0, keys);
+        load_tile<D, BK>(Ks, [=](int j) { return k_row(j) + kv_head * D; }, k0, keys);
+        load_tile<D, BK>(Vs, [=](int j) { return v_row(j) + kv_head * D; }, k0, keys);
         __syncthreads();
         if (k0 > start + q0 + warp * 16 + 15) continue;  // every key of this tile is after all of this warp's rows
 
