@@ -26,6 +26,7 @@ from tinyvllm.engine import block_manager
 from tinyvllm.engine.block_manager import plan_decode, plan_prefill
 from tinyvllm.engine.sequence import Sequence, Status
 from tinyvllm.errors import TinyVLLMError
+from tinyvllm.model.kv_pool import BLOCK_SIZE
 from tinyvllm.model.step_plan import StepPlan
 
 
@@ -119,11 +120,13 @@ class Scheduler:
         return self.blocks.num_free - before
 
     def computed(self, step: Step) -> None:
-        """After the model ran the step: with prefix caching, the blocks it filled become findable."""
-        if self.prefix_caching:
-            for seq in step.prefills + step.decodes:
-                if seq.status is not Status.FINISHED:
-                    self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids)
+        """After the model ran the step: with prefix caching, the blocks it filled become findable (a
+        decode fills one only every 16th token: the others are skipped without building token_ids)."""
+        if not self.prefix_caching:
+            return
+        filled = [s for s in step.decodes if self.blocks.lengths[s.seq_id] % BLOCK_SIZE == 0]
+        for seq in step.prefills + filled:
+            self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids)
 
     def finish(self, seq: Sequence) -> None:
         """A finished (or aborted) sequence gives its slot and its blocks back at once."""
