@@ -156,18 +156,21 @@ def attend_in_chunks(q: np.ndarray, k: np.ndarray, v: np.ndarray, splits: int | 
     if splits is None:
         splits = DECODE_SPLITS or decode_thread_groups(d)
     chunk = -(-length // splits)                     # keys per chunk; trailing chunks may be empty
-    pad = splits * chunk - length
-    k = np.concatenate([k, np.zeros((pad, kv_heads, d), k.dtype)]).reshape(splits, chunk, kv_heads, d)
-    v = np.concatenate([v, np.zeros((pad, kv_heads, d), v.dtype)]).reshape(splits, chunk, kv_heads, d)
-    scores = np.einsum("hgd,sthd->shgt", q, k) * F32(1 / np.sqrt(d))   # (splits, kv_heads, group, chunk)
-    padding = (np.arange(splits * chunk) >= length).reshape(splits, 1, 1, chunk)
-    scores = np.where(padding, F32(-np.inf), scores)                   # padding keys weigh nothing
-    m = scores.max(-1)                               # each chunk's max, per head: -inf for an empty chunk
-    p = np.exp(scores - np.where(np.isfinite(m), m, F32(0))[..., None])
-    total, acc = p.sum(-1), np.einsum("shgt,sthd->shgd", p, v)
+    padded, group = splits * chunk, q.shape[1]
+    scores = np.full((kv_heads, group, padded), -np.inf, F32)            # padding keys weigh nothing
+    np.matmul(q, k.transpose(1, 2, 0), out=scores[..., :length])
+    scores[..., :length] *= F32(1 / np.sqrt(d))
+    s = scores.reshape(kv_heads, group, splits, chunk)
+    m = s.max(-1)                                    # each chunk's max, per head: -inf for an empty chunk
+    p = np.exp(s - np.where(np.isfinite(m), m, F32(0))[..., None])
+    total = p.sum(-1)                                # (kv_heads, group, splits)
+    v_padded = np.zeros((kv_heads, padded, d), F32)
+    v_padded[:, :length] = v.transpose(1, 0, 2)
+    acc = p.transpose(0, 2, 1, 3) @ v_padded.reshape(kv_heads, splits, chunk, d)   # (kv_heads, splits, group, d)
     # merge: rescale every chunk to the overall max, then one division
-    weight = np.exp(m - m.max(0))                    # 0 for empty chunks (m = -inf)
-    return np.einsum("shg,shgd->hgd", weight, acc) / (weight * total).sum(0)[..., None]
+    weight = np.exp(m - m.max(-1, keepdims=True))    # 0 for empty chunks (m = -inf)
+    merged = (weight[..., None, :] @ acc.transpose(0, 2, 1, 3))[:, :, 0]           # (kv_heads, group, d)
+    return merged / (weight * total).sum(-1)[..., None]
 
 
 def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
