@@ -180,10 +180,11 @@ def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
     context splits (chapter 7) only change the order of the same sums; the twin does not split."""
     _, kv_heads, head_dim = k_cache.shape
     for b, length in enumerate(lengths.tolist()):
-        t = np.arange(length)
-        slots = block_tables[b, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE  # gather through the table
+        table = block_tables[b, :-(-length // BLOCK_SIZE)]                # the blocks holding its keys, in order
+        k, v = (cache.reshape(-1, BLOCK_SIZE, kv_heads, head_dim)[table].reshape(-1, kv_heads, head_dim)[:length]
+                for cache in (k_cache, v_cache))                          # whole blocks gathered, then cut
         q = qkv[b, :num_heads * head_dim].reshape(kv_heads, num_heads // kv_heads, head_dim)
-        out[b] = attend_in_chunks(q, k_cache[slots], v_cache[slots]).reshape(-1)
+        out[b] = attend_in_chunks(q, k, v).reshape(-1)
 
 
 def chunk_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
