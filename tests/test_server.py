@@ -288,7 +288,12 @@ def test_http_details(server):
     r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
     assert r.status_code == 415, "a web page's 'simple' POST (text/plain) must not drive the server"
     schema = httpx.get(f"{server.url}/openapi.json").json()
-    assert {"CompletionRequest", "ChatRequest"} <= set(schema["components"]["schemas"])
+    assert {"CompletionRequest", "ChatRequest", "ErrorResponse"} <= set(schema["components"]["schemas"])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        documented = schema["paths"][path]["post"]["responses"]
+        assert "422" not in documented, f"{path}: /openapi.json documents a 422 the server never sends"
+        assert documented["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}, f"{path}: the 400 must document OpenAI's error object"
 
 
 def read_metric(server: Server, name: str) -> float:

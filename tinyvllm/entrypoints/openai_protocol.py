@@ -239,6 +239,26 @@ def chat_logprobs(token_ids: list[int], entries: list[dict], top_k: int) -> dict
     return {"content": content}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: every 4xx and 5xx body of the server."""
+    error: ErrorDetail
+
+
+# What /openapi.json documents for a /v1 route: the codes the server really answers (FastAPI's default 422 is
+# never sent: a wrong field is a 400 naming it, as OpenAI answers).
+ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "a field is wrong (the message and `param` name it)"), (401, "no valid API key"),
+    (404, "unknown model"), (413, "body too large"), (415, "the body is not sent as JSON"),
+    (429, "the waiting queue is full"))}
+
+
 def error(message: str, type_: str = "invalid_request_error", param: str | None = None,
           code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -32,6 +32,7 @@ from dataclasses import replace
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -269,6 +270,20 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise ApiError(415, f"the body must be JSON sent with 'Content-Type: application/json', got "
                                 f"{kind or 'no Content-Type'}", code="unsupported_media_type")
 
+    def openapi() -> dict:
+        """FastAPI documents a 422 for every route with a body; this server answers a wrong field with a 400."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            for route in schema["paths"].values():
+                for operation in route.values():
+                    operation["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema["components"]["schemas"].pop(unused, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     @app.get("/health")
     async def health():
         if engine.dead:
@@ -283,23 +298,24 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tinyvllm",
                 "max_model_len": info["max_model_len"]}
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models", responses=api.ERROR_RESPONSES, dependencies=[Depends(check_key)])
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_key)])
+    @app.get("/v1/models/{model_id:path}", responses=api.ERROR_RESPONSES, dependencies=[Depends(check_key)])
     async def model(model_id: str):
         if model_id != model_name:
             raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
         return model_card()
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key), Depends(json_only)])
+    @app.post("/v1/completions", responses=api.ERROR_RESPONSES, dependencies=[Depends(check_key), Depends(json_only)])
     async def completions(body: api.CompletionRequest, request: Request):
         prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
         return await generate(request, body, prompts, body.max_tokens, body.logprobs, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key), Depends(json_only)])
+    @app.post("/v1/chat/completions", responses=api.ERROR_RESPONSES,
+              dependencies=[Depends(check_key), Depends(json_only)])
     async def chat_completions(body: api.ChatRequest, request: Request):
         prompt = tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
         return await generate(request, body, [prompt], body.reply_tokens, body.engine_logprobs, chat=True)
