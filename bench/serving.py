@@ -7,13 +7,16 @@ tokens/s that `LLM.generate` reaches on the same machine, model, prompts and bat
      uniformly from the vocabulary without the special and stop ids), each asking for exactly
      --output-len tokens: greedy, with vLLM's `ignore_eos` so that no request stops early;
   2. the server, started as a subprocess on a free port, ready once GET /health answers 200, then warmed up;
-  3. per mode (stream, then no-stream, on the same server): the requests go out from --client-processes
-     processes, each an asyncio loop with httpx, at most --concurrency in flight in all (or arriving as a
-     Poisson process of --request-rate per second, as vLLM's); each request is timed;
-  4. the server stopped (SIGINT to its process group, then kill) so that its memory is free; then
-     prompts of the same lengths through `LLM.generate` in this process, warm-up first, timed the same
-     way: the denominator;
-  5. a table, and bench/results/serving-<model>-<device>-<time>.json (or --out).
+     beside it, an `LLM` in this process (the offline engine, same limits and pool size), warmed up too;
+  3. --rounds rounds, each: per mode (stream, then no-stream, on the same server) the requests go out
+     from --client-processes processes, each an asyncio loop with httpx, at most --concurrency in flight
+     in all (or arriving as a Poisson process of --request-rate per second, as vLLM's), each request
+     timed; then prompts of the same lengths through `LLM.generate` while the server idles: the
+     denominator. Interleaving matters: on a shared machine the same engine's throughput drifts by tens
+     of percent over minutes, and a ratio of two runs far apart measures the drift;
+  4. the server stopped (SIGINT to its process group, then kill);
+  5. the median round's table, the ratio per round and its median, and
+     bench/results/serving-<model>-<device>-<time>.json (or --out).
 
 Why several client processes: one Python process that parses a few thousand server-sent events a
 second runs out of CPU before a fast engine does, and the benchmark would measure the client.
@@ -23,10 +26,10 @@ serve the second run's prompts from memory and flatter it.
     python bench/serving.py [--model default] [--device auto] [--num-requests 256] [--input-len 1024]
         [--output-len 128] [--concurrency 128 | --request-rate R] [--endpoint completions|chat]
         [--stream | --no-stream] [--client-processes 8] [--num-blocks B] [--max-model-len L]
-        [--max-num-seqs S] [--seed 0] [--out PATH]
+        [--max-num-seqs S] [--rounds 3] [--seed 0] [--out PATH]
 
 CPU smoke run: python bench/serving.py --device cpu --num-requests 8 --concurrency 4 --output-len 8 \
-                   --input-len 16 --client-processes 2 --out /tmp/serving.json
+                   --input-len 16 --client-processes 2 --rounds 2 --out /tmp/serving.json
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from queue import Empty
 from typing import NamedTuple
@@ -318,47 +322,48 @@ def warm_up_server(url: str, args, prompts: Prompts, model: str) -> bool:
     return ignore_eos
 
 
-def run_server(args, device: str, warmup: Prompts, modes: dict[str, Prompts], max_model_len: int,
-               max_num_seqs: int) -> tuple[dict[str, dict], str, bool]:
-    """Every mode on one server. Returns each mode's figures, the server's command line, whether ignore_eos was sent."""
+@contextmanager
+def running_server(args, device: str, max_model_len: int, max_num_seqs: int, num_blocks: int):
+    """The server on a free port for the `with` block; yields its URL and command line."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "tinyvllm", "serve", "--model", args.model, "--device", device,
-               "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
-    command += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
-    rows = {}
+               "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+               "--num-blocks", str(num_blocks)]
     with tempfile.NamedTemporaryFile("w+", prefix="tinyvllm-serve-", suffix=".log", delete=False) as log:
         print(f"server: {shlex.join(command)} (log: {log.name})")
         proc = start_server(command, url, log)
         try:
-            model = served_model(url)
-            ignore_eos = warm_up_server(url, args, warmup, model)
-            rng = np.random.default_rng([args.seed, 1])   # the arrivals: seeded, apart from the prompts
-            for mode, prompts in modes.items():
-                jobs = jobs_for(args, prompts, MODES[mode], ignore_eos, model,
-                                arrival_times(len(prompts.ids), args.request_rate, rng))
-                rows[mode] = summarize(run_clients(url, ROUTES[args.endpoint], jobs, args.concurrency,
-                                                   args.client_processes))
-                print(f"{mode}: {rows[mode]['output_throughput']:,.1f} output tok/s, {rows[mode]['errors']} errors")
+            yield url, shlex.join(command)
         finally:
             stop_server(proc)
-    return rows, shlex.join(command), ignore_eos
+
+
+def run_mode(args, url: str, model: str, mode: str, prompts: Prompts, ignore_eos: bool,
+             rng: np.random.Generator) -> dict:
+    jobs = jobs_for(args, prompts, MODES[mode], ignore_eos, model,
+                    arrival_times(len(prompts.ids), args.request_rate, rng))
+    row = summarize(run_clients(url, ROUTES[args.endpoint], jobs, args.concurrency, args.client_processes))
+    print(f"  {mode}: {row['output_throughput']:,.1f} output tok/s, {row['errors']} errors")
+    return row
 
 
 # ---- the offline denominator ----
 
-def run_offline(args, device: str, warmup: Prompts, prompts: Prompts, max_model_len: int, max_num_seqs: int) -> dict:
+def offline_engine(args, device: str, max_model_len: int, max_num_seqs: int, num_blocks: int):
+    from tinyvllm import LLM
+    return LLM(args.model, device=device, max_model_len=max_model_len, num_blocks=num_blocks,
+               max_num_seqs=max_num_seqs)
+
+
+def run_offline(llm, prompts: Prompts) -> dict:
     """The same kind of prompts through LLM.generate, all at once, same limits: wall time from the call to
     the last output."""
-    from tinyvllm import LLM
-
-    llm = LLM(args.model, device=device, max_model_len=max_model_len, num_blocks=args.num_blocks,
-              max_num_seqs=max_num_seqs)
-    generate(llm, warmup)
     start = time.monotonic()
     outputs = generate(llm, prompts)
     seconds = time.monotonic() - start
     tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"  offline: {tokens / seconds:,.1f} output tok/s")
     return {"requests": len(outputs), "duration_s": seconds, "request_throughput": len(outputs) / seconds,
             "output_tokens": tokens, "output_throughput": tokens / seconds}
 
@@ -401,13 +406,14 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
-def print_table(rows: dict[str, dict], offline: dict) -> None:
-    print(f"\n{'':10} {'requests':>8} {'errors':>6} {'seconds':>8} {'req/s':>8} {'out tok/s':>10} {'/ offline':>9}")
+def print_table(title: str, rows: dict[str, dict], offline: dict) -> None:
+    print(f"\n{title}\n{'':10} {'requests':>8} {'errors':>6} {'seconds':>8} {'req/s':>8} {'out tok/s':>10} "
+          f"{'/ offline':>9}")
     for name, row in {**rows, "offline": offline}.items():
         ratio = row["output_throughput"] / offline["output_throughput"]
         print(f"{name:10} {row['requests']:>8} {row.get('errors', '-'):>6} {row['duration_s']:>8.2f} "
               f"{row['request_throughput']:>8.2f} {row['output_throughput']:>10,.1f} {ratio:>9.3f}")
-    print(f"\n{'ms':20} {'mean':>9} {'median':>9} {'p99':>9}")
+    print(f"{'ms':20} {'mean':>9} {'median':>9} {'p99':>9}")
     for mode, row in rows.items():
         for metric in ("ttft", "tpot", "itl", "latency"):
             if row[f"{metric}_ms"]:
@@ -438,7 +444,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--endpoint", choices=list(ROUTES), default="completions")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, help="one mode only (default: both)")
     p.add_argument("--client-processes", type=int, default=8)
-    p.add_argument("--num-blocks", type=int, help="KV cache blocks, server and offline (default: from memory)")
+    p.add_argument("--num-blocks", type=int,
+                   help="KV cache blocks, server and offline (default: a full batch of the longest sequences)")
+    p.add_argument("--rounds", type=int, default=3, help="server and offline runs interleaved; the median ratio")
     p.add_argument("--max-model-len", type=int, help="default: the longest prompt + --output-len")
     p.add_argument("--max-num-seqs", type=int, help="server and offline (default: --concurrency, at most 256)")
     p.add_argument("--seed", type=int, default=0)
@@ -447,6 +455,18 @@ def parse_args() -> argparse.Namespace:
     if args.concurrency is None:
         args.concurrency = args.num_requests if args.request_rate else 128   # a rate alone: no cap, as vLLM
     return args
+
+
+def pool_blocks_for(max_model_len: int, max_num_seqs: int) -> int:
+    """Both engines get the same pool: every sequence of a full batch at its longest, no preemption. (A
+    pool sized from free memory would leave the offline engine, loaded beside the server, nothing.)"""
+    from tinyvllm.model.kv_pool import blocks_for
+    return max_num_seqs * blocks_for(max_model_len)
+
+
+def median_round(rounds: list[dict], ratios: list[float]) -> dict:
+    """The round whose ratio is the median one (the lower of the two middle ones for an even count)."""
+    return rounds[sorted(range(len(ratios)), key=ratios.__getitem__)[(len(ratios) - 1) // 2]]
 
 
 def main() -> None:
@@ -465,21 +485,40 @@ def main() -> None:
     allowed = allowed_ids(tokenizer)
     rng = np.random.default_rng(args.seed)
     lengths, outputs = [args.input_len] * args.num_requests, [args.output_len] * args.num_requests
-    # a fresh set for each mode; offline gets the first mode's set on its own fresh engine
-    modes = {m: random_prompts(tokenizer, allowed, args.endpoint, lengths, outputs, rng)
-             for m, on in MODES.items() if args.stream in (None, on)}
-    max_model_len = args.max_model_len or max(len(i) for p in modes.values() for i in p.ids) + args.output_len
+    modes = [m for m, on in MODES.items() if args.stream in (None, on)]
+
+    def fresh() -> Prompts:   # a new set for every run: no prefix-cache hit flatters a later one
+        return random_prompts(tokenizer, allowed, args.endpoint, lengths, outputs, rng)
+
+    workloads = [{name: fresh() for name in [*modes, "offline"]} for _ in range(args.rounds)]
+    max_model_len = args.max_model_len or max(
+        len(i) for w in workloads for p in w.values() for i in p.ids) + args.output_len
     max_num_seqs = args.max_num_seqs or min(args.concurrency, 256)   # both sides batch the same at most
+    num_blocks = args.num_blocks or pool_blocks_for(max_model_len, max_num_seqs)
     warmup = warmup_prompts(tokenizer, allowed, args, min(max_num_seqs, args.concurrency, args.num_requests),
                             max_model_len, rng)
 
-    rows, server_command, ignore_eos = run_server(args, device, warmup, modes, max_model_len, max_num_seqs)
-    offline = run_offline(args, device, warmup, next(iter(modes.values())), max_model_len, max_num_seqs)
-    print_table(rows, offline)
-    ratios = {mode: row["output_throughput"] / offline["output_throughput"] for mode, row in rows.items()}
-    print(f"\nHTTP / offline output tok/s: {', '.join(f'{m} {r:.3f}' for m, r in ratios.items())} "
-          f"(target >= {TARGET})")
-    if not ignore_eos or any(row["short_outputs"] for row in rows.values()):
+    rounds = []
+    with running_server(args, device, max_model_len, max_num_seqs, num_blocks) as (url, server_command):
+        model = served_model(url)
+        ignore_eos = warm_up_server(url, args, warmup, model)
+        llm = offline_engine(args, device, max_model_len, max_num_seqs, num_blocks)   # beside the idle server
+        generate(llm, warmup)
+        arrivals = np.random.default_rng([args.seed, 1])   # seeded, apart from the prompts
+        for r, workload in enumerate(workloads):   # interleaved: a drift of the machine hits both sides alike
+            print(f"round {r + 1} of {args.rounds}")
+            rows = {mode: run_mode(args, url, model, mode, workload[mode], ignore_eos, arrivals) for mode in modes}
+            rounds.append(rows | {"offline": run_offline(llm, workload["offline"])})
+    per_round = {mode: [row[mode]["output_throughput"] / row["offline"]["output_throughput"] for row in rounds]
+                 for mode in modes}
+    ratios = {mode: float(np.median(r)) for mode, r in per_round.items()}
+    for mode in modes:
+        print_table(f"{mode}, median round", {mode: median_round(rounds, per_round[mode])[mode]},
+                    median_round(rounds, per_round[mode])["offline"])
+    print(f"\nHTTP / offline output tok/s, per round: "
+          f"{'; '.join(f'{m} ' + ' '.join(f'{x:.3f}' for x in r) for m, r in per_round.items())}")
+    print(f"median of {args.rounds}: {', '.join(f'{m} {r:.3f}' for m, r in ratios.items())} (target >= {TARGET})")
+    if not ignore_eos or any(row[m]["short_outputs"] for row in rounds for m in modes):
         print("note: the server did not honour ignore_eos; output tok/s counts the tokens it did generate")
 
     machine = {"host": host() | {"load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()}}
@@ -491,9 +530,11 @@ def main() -> None:
                            "output_len": args.output_len, "endpoint": args.endpoint,
                            "concurrency": args.concurrency, "request_rate": args.request_rate,
                            "client_processes": args.client_processes, "max_num_seqs": max_num_seqs,
-                           "max_model_len": max_model_len, "num_blocks": args.num_blocks, "seed": args.seed,
-                           "temperature": 0, "ignore_eos_sent": ignore_eos, "warmup_requests": len(warmup.ids)},
-              "results": {**rows, "offline": offline}, "http_over_offline": ratios, "target_http_over_offline": TARGET}
+                           "max_model_len": max_model_len, "num_blocks": num_blocks, "seed": args.seed,
+                           "temperature": 0, "ignore_eos_sent": ignore_eos, "warmup_requests": len(warmup.ids),
+                           "rounds": args.rounds},
+              "rounds": rounds, "http_over_offline_per_round": per_round,
+              "http_over_offline": ratios, "target_http_over_offline": TARGET}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
         print("wrote", args.out)
