@@ -2,9 +2,10 @@
 
     add_request() ... step() ... step() ...
 
-Every step asks the scheduler what to run, then runs it: ONE batched prefill for the prompts admitted
-now (their tokens side by side) and ONE batched decode for every running sequence, whatever their
-lengths (the paged cache and the block tables make that possible). Each sequence gets its next token;
+Every step asks the scheduler what to run, then runs it in ONE forward pass: the prompts (or chunks)
+admitted now, their tokens side by side, and one row for every running sequence, whatever their
+lengths (the paged cache and the block tables make that possible). A step of decodes alone replays
+the CUDA graph of its batch size. Each sequence gets its next token;
 a finished one frees its blocks at once, and the next step admits a waiting request in its place.
 That is the difference with static batching, where a batch runs until its longest member is done.
 
@@ -124,8 +125,10 @@ class Engine:
                                 "admit the first waiting request when nothing is running")  # else: loop forever
         prefill_logits = decode_logits = None
         if step.prefills:   # prompts, or chunks of them; a cached prefix or an earlier chunk is not recomputed
-            prefill_logits = prefill_batch(self.model, self.pool, step.plan.prefills)
-        if step.decodes:
+            # the decodes ride in the same pass: one read of the weights for the step (no CUDA graph then)
+            logits = prefill_batch(self.model, self.pool, step.plan.prefills, decodes=step.plan.decodes)
+            prefill_logits, decode_logits = logits[:len(step.prefills)], logits[len(step.prefills):]
+        elif step.decodes:  # decodes alone: the CUDA graph of their batch size, on a GPU
             decode_logits = self.decode(step.plan.decodes)
         self.scheduler.computed(step)   # the blocks this step filled become findable (prefix caching)
         released = []

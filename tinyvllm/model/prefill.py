@@ -33,20 +33,28 @@ def prefill(model: Model, token_ids, all_logits: bool = False, on_layer=None, ca
     return (logits if all_logits else logits[0]), kv
 
 
-def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = False, on_layer=None):
+def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = False, on_layer=None,
+                  decodes: list[SeqStep] = ()):
     """Several prompts in one pass (chapter 7): their tokens side by side as the rows of every GEMM, as
     the plan says (steps[j]: sequence j's tokens, first position, slots and block table). Returns the
-    logits of each prompt's last token, (n, vocab) fp32 — of every token with all_logits."""
+    logits of each prompt's last token, (n, vocab) fp32 — of every token with all_logits.
+
+    decodes: the step's decoding sequences ride along as one more row each, after the prompts' rows,
+    attending through the pool as decode_batch's rows do; their logits follow the prompts'. One pass
+    for the whole step (vLLM v1's rule): a step that would otherwise run a prefill pass AND a decode
+    pass reads every weight once instead of twice."""
     cfg, ops = model.cfg, model.ops
-    T = sum(len(s.token_ids) for s in steps)
+    P = sum(len(s.token_ids) for s in steps)
+    T = P + len(decodes)
     if not all(s.token_ids for s in steps) or T > model.max_step_tokens:
-        raise TinyVLLMError(f"a prefill of {T} tokens; this model's step buffers hold 1 to {model.max_step_tokens}")
+        raise TinyVLLMError(f"a step of {T} tokens; this model's step buffers hold 1 to {model.max_step_tokens}")
     ends = np.cumsum([len(s.token_ids) for s in steps])
-    positions = np.concatenate([np.arange(s.start, s.end) for s in steps])
     H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     # each chunk's rows, and where it reads keys from the pool: uploaded once, read by every layer
     rows = [(end - len(s.token_ids), end, pool.chunk_where(s) if s.start else None) for s, end in zip(steps, ends)]
     read_pool = getattr(ops, pool.chunk_attention)
+    decode_where = pool.where(decodes, [s.end for s in decodes]) if decodes else None
+    decode_attention = getattr(ops, pool.attention)
 
     def attend(layer: int, qkv, attn) -> None:
         for a, b, where in rows:
@@ -54,9 +62,15 @@ def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = F
                 ops.prefill_attention(qkv[a:b], attn[a:b], H, KVH, D)
             else:               # after cached tokens or earlier chunks: its keys are in the pool
                 read_pool(qkv[a:b], pool.k[layer], pool.v[layer], *where, attn[a:b], H)
+        if decodes:             # one query per decoding sequence, its keys in the pool
+            decode_attention(qkv[P:T], pool.k[layer], pool.v[layer], *decode_where, attn[P:T], H)
 
+    steps_and_decodes = [*steps, *decodes]
+    positions = np.concatenate([np.arange(s.start, s.end) for s in steps_and_decodes])
     ids, positions, slots = (ops.to_device(np.asarray(a, dtype=np.int32)) for a in
-                             (np.concatenate([s.token_ids for s in steps]), positions,
-                              np.concatenate([np.asarray(s.slots) for s in steps])))
+                             (np.concatenate([s.token_ids for s in steps_and_decodes]), positions,
+                              np.concatenate([np.asarray(s.slots) for s in steps_and_decodes])))
     residual, delta = run_layers(model, ids, positions, slots, pool, attend, on_layer)
-    return final_logits(model, residual, delta, slice(0, T) if all_logits else ends - 1)
+    if all_logits:
+        return final_logits(model, residual, delta, slice(0, T))
+    return final_logits(model, residual, delta, [*(ends - 1), *range(P, T)])
