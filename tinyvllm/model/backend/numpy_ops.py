@@ -56,7 +56,7 @@ def add_rms_norm(residual: np.ndarray, delta: np.ndarray | None, weight: np.ndar
     out[t] = residual[t] * rsqrt(mean(residual[t]^2) + eps) * weight."""
     if delta is not None:
         residual += delta
-    mean_sq = np.mean(np.square(residual), axis=-1, keepdims=True, dtype=F32)
+    mean_sq = np.einsum("ij,ij->i", residual, residual)[:, None] / F32(residual.shape[-1])  # no squared copy
     scale = F32(1) / np.sqrt(mean_sq + F32(eps))                  # (T, 1): the kernel's rsqrtf
     np.multiply(residual, scale, out=out)
     out *= weight
