@@ -48,7 +48,8 @@ chapter-%: setup  ## run a chapter's checkpoint: make chapter-1 [IMPL=student]
 course: setup  ## every checkpoint in order, stopping at the first that fails: make course [IMPL=student]
 	$(PY) -m chapters.course --impl $(IMPL)
 
-# Graders: one point per test case; JUnit XML for autograders. IMPL=reference grades the engine itself.
+# Graders: each exercise its weight (chapters/grade_report.py: POINTS) x the share of its cases passed; JUnit XML
+# for autograders. IMPL=reference grades the engine itself.
 grade: $(VENV)/.test  ## grade your exercises, print a score table: make grade [CH=1] [IMPL=reference] [JUNIT=file.xml]
 	$(PY) -m chapters.grade_report --impl $(if $(filter command line environment,$(origin IMPL)),$(IMPL),student) \
 		$(if $(filter all,$(CH)),,--chapters $(CH)) --junit $(JUNIT)

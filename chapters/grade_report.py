@@ -4,41 +4,65 @@
     python -m chapters.grade_report --chapters 1 6       # some chapters
     python -m chapters.grade_report --impl reference     # the engine's functions (full marks expected)
 
-One point per grader test case (each parametrized case counts once). A test's exercise is the one
-whose name appears in the test's name (`test_rms_norm_...` grades rms_norm); a test naming several
-exercises, or none, grades the chapter's exercises together. A grader skipped because the machine has
-no GPU shows as "needs GPU" and earns nothing: it is never counted as passed.
+Points follow ideas, not test counts: each exercise has a weight (POINTS below) and earns
+weight x (its grader cases passed / its grader cases), so an exercise checked on 31 parametrized cases
+weighs no more than one checked on 3. A test's exercise is the one whose name appears in the test's name
+(`test_rms_norm_...` grades rms_norm); a test naming several exercises, or none, grades the chapter's
+exercises together (the TOGETHER row). A grader skipped because the machine has no GPU shows as
+"needs GPU" and earns nothing: it is never counted as passed.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from chapters.grading import IMPLS, exercises
+from chapters.grading import IMPLS, chapter_numbers, exercises
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = tuple(range(1, 8))
+CHAPTERS = tuple(chapter_numbers())  # no chapter 8 yet: 1 .. 7, then 9
 TOGETHER = "all together"  # the row of tests that exercise several of a chapter's functions at once
+
+# What each exercise is worth: the size of the idea, not the number of its grader cases. The CUDA C
+# exercises (3.2, 5.2) are graded on a GPU only. INSTRUCTORS.md lists the same table; tests/test_course.py
+# checks that the two agree and that every exercise has a weight.
+POINTS = {
+    1: {"rms_norm": 2, "rope_inv_freq": 3, "apply_rope": 2, "softmax": 2, "attention": 4, TOGETHER: 2},
+    2: {"parse_header": 6, "bf16_bits_to_float32": 1, "float32_to_bf16_bits": 3, "lay_out": 2},
+    3: {"online_softmax_attention": 6, "RMS_NORM_KERNEL_SOURCE": 6},
+    4: {"gemm_params": 4, "gemm_params_into_slice": 3, "colmajor_index": 1},
+    5: {"decode_attention": 6, "DECODE_ATTENTION_KERNEL_SOURCE": 8},
+    6: {"BlockManager": 8, "slot_mapping": 3},
+    7: {"admit": 8, "choose_victim": 2, TOGETHER: 2},
+    9: {"shard_weight": 5, "parallel_mlp": 4, TOGETHER: 2},
+}
 
 
 @dataclass
 class Row:
     chapter: int
     exercise: str  # "1.1 rms_norm", or TOGETHER
-    passed: int = 0
+    weight: int = 0  # the exercise's points (POINTS)
+    passed: int = 0  # grader cases, each parametrized case once
     failed: int = 0
     needs_gpu: int = 0
     skipped: int = 0
     first_failure: str = ""  # the first failing test and its message, to start from
 
     @property
-    def points(self) -> int:
+    def cases(self) -> int:
         return self.passed + self.failed + self.needs_gpu + self.skipped
+
+    @property
+    def earned(self) -> float:
+        """weight x the fraction of cases passed: a skipped or GPU-only case earns nothing."""
+        return self.weight * self.passed / self.cases if self.cases else 0.0
 
     @property
     def result(self) -> str:
@@ -68,6 +92,42 @@ def exercise_of(test_name: str, chapter: int) -> str:
     return f"{chapter}.{names.index(hits[0]) + 1} {hits[0]}"
 
 
+def weight(chapter: int, exercise: str) -> int:
+    """POINTS of a row: '1.1 rms_norm' -> POINTS[1]['rms_norm']."""
+    name = exercise if exercise == TOGETHER else exercise.split(" ", 1)[1]
+    try:
+        return POINTS[chapter][name]
+    except KeyError:
+        raise LookupError(f"chapter {chapter}'s {exercise!r} has no weight: add it to POINTS in "
+                          "chapters/grade_report.py (and to the table in INSTRUCTORS.md)") from None
+
+
+TEMP_PATH = re.compile(re.escape(tempfile.gettempdir()) + r"/[^\s'\"]*/([^/\s'\"]+)")
+# after the grader's own message: pytest's explanation of the assert, hypothesis' notes on the example
+EXPLANATION = re.compile(r"^(assert |\+ +where |Failing test case|Falsifying example|You can reproduce|Explanation:)")
+
+
+def failure_text(message: str, limit: int = 240) -> str:
+    """The first informative line(s) of a failure's message, on one line.
+
+    pytest's message is "AssertionError: <the grader's message>", then its explanation of the assert
+    (or, for a bare assert, that explanation alone); hypothesis adds the example it shrank to. Kept: the
+    first paragraph, at most two lines, up to the explanation. A temp file's path (new on every run) is
+    cut down to the file's name.
+    """
+    lines: list[str] = []
+    for line in message.splitlines():
+        line = TEMP_PATH.sub(r"\1", line.strip()).removeprefix("AssertionError: ").removeprefix("Failed: ")
+        if lines and (not line or EXPLANATION.match(line)):
+            break
+        if line and line != "AssertionError:":
+            lines.append(line)
+        if len(lines) == 2:
+            break
+    text = " | ".join(lines) or "(no message)"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def score(junit_xml: Path) -> list[Row]:
     """One row per (chapter, exercise) from a pytest --junitxml file, in chapter and exercise order."""
     rows: dict[tuple[int, str], Row] = {}
@@ -77,12 +137,12 @@ def score(junit_xml: Path) -> list[Row]:
             continue
         chapter, name = int(found.group(1)), case.get("name", "")
         exercise = exercise_of(name, chapter)
-        row = rows.setdefault((chapter, exercise), Row(chapter, exercise))
+        row = rows.setdefault((chapter, exercise), Row(chapter, exercise, weight(chapter, exercise)))
         skipped = case.find("skipped")
-        if case.find("failure") is not None or case.find("error") is not None:
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
             row.failed += 1
-            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-            row.first_failure = row.first_failure or f"{name}: {(bad.get('message') or '').splitlines()[0][:150]}"
+            row.first_failure = row.first_failure or f"{name}: {failure_text(bad.get('message') or '')}"
         elif skipped is not None:
             if "GPU" in (skipped.get("message") or ""):
                 row.needs_gpu += 1
@@ -93,19 +153,30 @@ def score(junit_xml: Path) -> list[Row]:
     return sorted(rows.values(), key=lambda r: (r.chapter, r.exercise == TOGETHER, r.exercise))
 
 
-def table(rows: list[Row]) -> str:
-    lines = [f"{'chapter':<8} {'exercise':<34} {'result':<10} {'points':>9}", "-" * 64]
+def grader_command(chapter: int, impl: str = "student") -> str:
+    """The command that runs one chapter's graders alone and stops at the first failure, with its traceback."""
+    python = Path(sys.executable)
+    shown = os.path.relpath(python, ROOT) if python.is_relative_to(ROOT) else str(python)  # .venv/bin/python
+    return f"{shown} -m pytest tests/test_ch{chapter:02d}_exercises.py --impl={impl} -x"
+
+
+def table(rows: list[Row], impl: str = "student") -> str:
+    lines = [f"{'chapter':<8} {'exercise':<34} {'result':<10} {'cases':>7}  {'points':>10}", "-" * 74]
     for r in rows:
-        lines.append(f"{r.chapter:<8} {r.exercise:<34} {r.result:<10} {r.passed:>4} / {r.points:<3}")
-    earned, total = sum(r.passed for r in rows), sum(r.points for r in rows)
-    gpu = sum(r.needs_gpu for r in rows)
-    lines += ["-" * 64, f"{'total':<54} {earned:>4} / {total:<3}"]
+        lines.append(f"{r.chapter:<8} {r.exercise:<34} {r.result:<10} {r.passed:>3}/{r.cases:<3}  "
+                     f"{r.earned:>5.1f} / {r.weight:<2}")
+    earned, total = sum(r.earned for r in rows), sum(r.weight for r in rows)
+    gpu = sum(r.weight for r in rows if r.needs_gpu)
+    lines += ["-" * 74, f"{'total':<63} {earned:>5.1f} / {total:<3}"]
     if gpu:
         lines.append(f"({gpu} of these points are CUDA C graders that need a GPU: run `make grade` on a "
                      "machine with an NVIDIA GPU and CuPy to earn them)")
-    failing = [f"  {r.exercise}: {r.first_failure}" for r in rows if r.failed]
+    failing = [r for r in rows if r.failed]
     if failing:
-        lines += ["", "first failure of each exercise (run `pytest -m chN --impl=student -x` for the traceback):"] + failing
+        lines += ["", "first failure of each exercise; for its traceback, run that chapter's graders alone:"]
+        for chapter in sorted({r.chapter for r in failing}):
+            lines.append(f"  {grader_command(chapter, impl)}")
+            lines += [f"    {r.exercise}: {r.first_failure}" for r in failing if r.chapter == chapter]
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -130,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = score(args.junit)
     print(f"\ngrades ({args.impl} implementation), JUnit XML in {args.junit}:\n")
-    print(table(rows))
+    print(table(rows, args.impl))
     return 0 if rows and all(r.failed == 0 for r in rows) else 1
 
 

@@ -25,6 +25,13 @@ def chapter_package(chapter: int) -> str:
     raise LookupError(f"there is no chapter {chapter} (no chapters/{prefix}* package)")
 
 
+def chapter_numbers() -> list[int]:
+    """The chapters that exist, in order: one per chapters/chNN_* package. Not 1 .. n: a chapter may be
+    missing (there is no chapter 8 yet)."""
+    return sorted(int(info.name[2:4]) for info in pkgutil.iter_modules(chapters.__path__)
+                  if info.ispkg and info.name[:2] == "ch" and info.name[2:4].isdigit())
+
+
 def exercises(chapter: int) -> ModuleType:
     return importlib.import_module(chapter_package(chapter) + ".exercises")
 

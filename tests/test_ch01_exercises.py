@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 from chapters.grading import exercises  # noqa: E402
 from tests import seeding  # noqa: E402
-from tests.numeric import F32, check, randn, rel_err, torch_attention  # noqa: E402,F401
+from tests.numeric import F32, check, close, randn, rel_err, same, torch_attention  # noqa: E402,F401
 from tinyvllm import reference  # noqa: E402
 from tinyvllm.formats.checkpoints import PRESETS, synth_model  # noqa: E402
 from tinyvllm.formats.config import load_config  # noqa: E402
@@ -34,7 +34,8 @@ def test_rms_norm_matches_llama_rmsnorm(impl, scale, rng):
     with torch.no_grad():
         hf.weight.copy_(torch.from_numpy(w))
         ref = hf(torch.from_numpy(x)).numpy()
-    check(impl("rms_norm")(x, w, eps), ref, (T, hidden))
+    check(impl("rms_norm")(x, w, eps), ref, (T, hidden), what=f"rms_norm of {T} rows of {hidden}, values of scale "
+          f"{scale}, eps {eps:g}")
 
 
 @pytest.mark.ch1
@@ -44,7 +45,7 @@ def test_rms_norm_works_over_the_last_axis_of_any_rank(impl, rng):
     with torch.no_grad():
         hf.weight.copy_(torch.from_numpy(w))
         ref = hf(torch.from_numpy(x)).numpy()
-    check(impl("rms_norm")(x, w, 1e-5), ref, x.shape)
+    check(impl("rms_norm")(x, w, 1e-5), ref, x.shape, what="rms_norm of a (3, 5, 24) array (over its last axis)")
 
 
 # ---------- Exercise 1.2: RoPE frequencies vs transformers' LlamaRotaryEmbedding ----------
@@ -64,14 +65,16 @@ def hf_inv_freq(cfg) -> np.ndarray:
 def test_rope_inv_freq_without_scaling(impl, head_dim, rng):
     theta = float(rng.choice([10000.0, 100000.0, 500000.0]))
     cfg = replace(PRESETS["smollm2-135m"], head_dim=head_dim, rope_theta=theta)
-    check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (head_dim // 2,))
+    check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (head_dim // 2,),
+          what=f"inv_freq, head_dim {head_dim}, rope_theta {theta:g}, no scaling")
 
 
 @pytest.mark.ch1
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.1-8b"])
 def test_rope_inv_freq_with_llama3_scaling(impl, preset):
     cfg = PRESETS[preset]
-    check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (cfg.head_dim // 2,))
+    check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (cfg.head_dim // 2,),
+          what=f"inv_freq of {preset} (llama3 scaling)")
 
 
 @pytest.mark.ch1
@@ -80,7 +83,7 @@ def test_rope_inv_freq_with_unusual_llama3_parameters(impl, rng):
     scaling = {"rope_type": "llama3", "factor": float(rng.uniform(2, 40)), "low_freq_factor": 1.5,
                "high_freq_factor": 6.0, "original_max_position_embeddings": 256}
     cfg = replace(PRESETS["llama-3.2-1b"], head_dim=32, rope_theta=10000.0, rope_scaling=scaling)
-    check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (16,))
+    check(impl("rope_inv_freq")(cfg), hf_inv_freq(cfg), (16,), what=f"inv_freq with llama3 scaling {scaling}")
 
 
 # ---------- Exercise 1.3: RoPE rotation vs transformers' apply_rotary_pos_emb ----------
@@ -101,7 +104,8 @@ def test_apply_rope_matches_transformers(impl, T, heads, start, rng):
     cos, sin = hf_cos_sin(d, np.arange(start, start + T))
     ref, _ = modeling_llama.apply_rotary_pos_emb(torch.from_numpy(x), torch.from_numpy(x), cos, sin,
                                                  unsqueeze_dim=1)  # (T, d) -> (T, 1, d) over the heads
-    check(impl("apply_rope")(x, cos.numpy(), sin.numpy()), ref.numpy(), (T, heads, d))
+    check(impl("apply_rope")(x, cos.numpy(), sin.numpy()), ref.numpy(), (T, heads, d),
+          what=f"apply_rope on {T} tokens x {heads} heads x {d}, positions {start}..")
 
 
 @pytest.mark.ch1
@@ -116,8 +120,10 @@ def test_apply_rope_keeps_lengths_and_relative_angles(impl, rng):
         return rope(x, cos.numpy(), sin.numpy())[0, 0].astype(np.float64)
 
     pair_len = lambda v: np.hypot(v[: d // 2], v[d // 2:])  # noqa: E731
-    np.testing.assert_allclose(pair_len(at(q, 17)), pair_len(q[0, 0].astype(np.float64)), rtol=1e-5)
-    np.testing.assert_allclose(at(q, 9) @ at(k, 4), at(q, 105) @ at(k, 100), rtol=1e-4)
+    close(pair_len(at(q, 17)), pair_len(q[0, 0].astype(np.float64)), "the length of each (i, i + d/2) pair after a "
+          "rotation to position 17 (a rotation keeps lengths)", rtol=1e-5)
+    close(at(q, 9) @ at(k, 4), at(q, 105) @ at(k, 100), "q.k with q at position 9 and k at 4, against q at 105 and k "
+          "at 100 (the same gap: it must not change)", rtol=1e-4)
 
 
 # ---------- Exercise 1.4: softmax vs torch.softmax ----------
@@ -126,16 +132,21 @@ def test_apply_rope_keeps_lengths_and_relative_angles(impl, rng):
 @pytest.mark.parametrize("scale", [1.0, 200.0])  # 200: exp() overflows float32 without the max trick
 def test_softmax_matches_torch(impl, scale, rng):
     x = randn(rng, 3, 5, 11, scale=scale)
-    check(impl("softmax")(x), torch.softmax(torch.from_numpy(x), dim=-1).numpy(), x.shape)
+    check(impl("softmax")(x), torch.softmax(torch.from_numpy(x), dim=-1).numpy(), x.shape,
+          what=f"softmax of a (3, 5, 11) array of scale {scale}")
 
 
 @pytest.mark.ch1
-def test_softmax_gives_masked_entries_zero(impl, rng):
-    x = randn(rng, 6, 9)
+@pytest.mark.parametrize("shift", [0.0, -1e5])  # -1e5: real scores far below any stand-in for -inf such as -1e4
+def test_softmax_gives_masked_entries_zero(impl, shift, rng):
+    x = randn(rng, 6, 9) + F32(shift)
     x[np.triu_indices(6, k=1, m=9)] = -np.inf  # a causal mask
     out = impl("softmax")(x)
-    check(out, torch.softmax(torch.from_numpy(x), dim=-1).numpy(), x.shape)
-    assert np.all(out[np.triu_indices(6, k=1, m=9)] == 0)
+    check(out, torch.softmax(torch.from_numpy(x), dim=-1).numpy(), x.shape,
+          what=f"softmax of rows with -inf (masked) entries, the others around {shift:g}")
+    masked = out[np.triu_indices(6, k=1, m=9)]
+    assert np.all(masked == 0), (f"{int(np.sum(masked != 0))} entries that were -inf got a probability other than 0, "
+                                 f"e.g. {masked[masked != 0][0]:.3g}")
 
 
 # ---------- Exercise 1.5: causal GQA attention vs torch's scaled_dot_product_attention ----------
@@ -150,7 +161,8 @@ def test_softmax_gives_masked_entries_zero(impl, rng):
 def test_attention_matches_torch_sdpa(impl, T, S, start, H, KVH, rng):
     d = 16
     q, k, v = randn(rng, T, H, d, scale=2.0), randn(rng, S, KVH, d, scale=2.0), randn(rng, S, KVH, d)
-    check(impl("attention")(q, k, v, start), torch_attention(q, k, v, start), (T, H * d))
+    check(impl("attention")(q, k, v, start), torch_attention(q, k, v, start), (T, H * d),
+          what=f"attention of T={T} queries from position {start} over S={S} keys, {H} heads on {KVH} K/V heads")
 
 
 # ---------- All five together: a tiny Llama with your functions vs transformers ----------
@@ -184,6 +196,6 @@ def test_reference_model_with_your_functions_matches_transformers(impl, monkeypa
     cache = model.new_cache(len(ids))
     prefill = model.forward(ids[:20], cache)
     decoded = [model.forward(ids[t:t + 1], cache, all_logits=False) for t in range(20, len(ids))]
-    check(prefill, ref[:20], (20, cfg.vocab_size), tol=1e-4)
-    check(np.stack(decoded), ref[20:], (9, cfg.vocab_size), tol=1e-4)
-    assert np.array_equal(np.stack(decoded).argmax(-1), ref[20:].argmax(-1))
+    check(prefill, ref[:20], (20, cfg.vocab_size), tol=1e-4, what="the logits of the 20-token prefill")
+    check(np.stack(decoded), ref[20:], (9, cfg.vocab_size), tol=1e-4, what="the logits of 9 decode steps")
+    same(np.stack(decoded).argmax(-1), ref[20:].argmax(-1), "the greedy tokens of the 9 decode steps vs transformers'")

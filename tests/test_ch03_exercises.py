@@ -18,7 +18,7 @@ from tinyvllm.model.backend import cuda_available
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parent.parent
-from tests.numeric import F32, check, randn, rel_err, torch_attention  # noqa: E402,F401
+from tests.numeric import F32, check, close, randn, rel_err, torch_attention  # noqa: E402,F401
 
 # ---------- Exercise 3.1: online-softmax attention vs torch's scaled_dot_product_attention ----------
 
@@ -36,7 +36,8 @@ CASES = {  # T, S, start_pos, H, KVH, d
 def test_online_softmax_attention_matches_torch_sdpa(impl, case, block, rng):
     T, S, start, H, KVH, d = CASES[case]
     q, k, v = randn(rng, T, H, d, scale=2.0), randn(rng, S, KVH, d, scale=2.0), randn(rng, S, KVH, d)
-    check(impl("online_softmax_attention")(q, k, v, start, block), torch_attention(q, k, v, start), (T, H * d))
+    check(impl("online_softmax_attention")(q, k, v, start, block), torch_attention(q, k, v, start), (T, H * d),
+          what=f"T={T} queries from position {start}, S={S} keys, {H} heads on {KVH} K/V heads, tiles of {block}")
 
 
 @pytest.mark.ch3
@@ -48,7 +49,8 @@ def test_online_softmax_attention_rescales_when_the_max_grows(impl, rng):
     k = randn(rng, T, KVH, d) * np.linspace(1, 60, T, dtype=F32)[:, None, None]  # later keys: larger scores
     v = randn(rng, T, KVH, d)
     ref = torch_attention(q, k, v, 0)
-    check(impl("online_softmax_attention")(q, k, v, 0, block), ref, (T, H * d), tol=1e-4)
+    check(impl("online_softmax_attention")(q, k, v, 0, block), ref, (T, H * d), tol=1e-4,
+          what="scores growing from tile to tile (tiles of 6)")
 
 
 @pytest.mark.ch3
@@ -59,9 +61,10 @@ def test_online_softmax_attention_survives_rows_with_no_visible_key_in_a_tile(im
     T, H, KVH, d = 19, 6, 2, 8
     q, k, v = randn(rng, T, H, d, scale=3.0), randn(rng, T, KVH, d, scale=3.0), randn(rng, T, KVH, d)
     out = impl("online_softmax_attention")(q, k, v, 0, block)
-    check(out, torch_attention(q, k, v, 0), (T, H * d))
-    first = out[0].reshape(H, d)
-    np.testing.assert_allclose(first, v[0][np.arange(H) // (H // KVH)], rtol=1e-5, atol=1e-6)
+    check(out, torch_attention(q, k, v, 0), (T, H * d), what=f"tiles of {block}, where query 0 sees no key after "
+          "the first tile")
+    close(out[0].reshape(H, d), v[0][np.arange(H) // (H // KVH)], "query 0 (it sees only key 0): its output must be "
+          "v[0] of its K/V head", rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.ch3
@@ -72,7 +75,8 @@ def test_online_softmax_attention_never_reads_keys_after_the_last_query(impl, bl
     q, k, v = randn(rng, T, H, d), randn(rng, S, KVH, d), randn(rng, S, KVH, d)
     ref = torch_attention(q, k[:start + T], v[:start + T], start)
     k[start + T:], v[start + T:] = np.nan, np.nan
-    check(impl("online_softmax_attention")(q, k, v, start, block), ref, (T, H * d))
+    check(impl("online_softmax_attention")(q, k, v, start, block), ref, (T, H * d),
+          what=f"keys {start + T}.. are NaN (after the last query, never to be read), tiles of {block}")
 
 
 @pytest.mark.ch3
@@ -83,7 +87,7 @@ def test_online_softmax_attention_does_not_depend_on_the_tile_size(impl, rng):
     f = impl("online_softmax_attention")
     one_tile = f(q, k, v, 0, T)
     for block in (2, 9, 30):
-        check(f(q, k, v, 0, block), one_tile, (T, H * d))
+        check(f(q, k, v, 0, block), one_tile, (T, H * d), what=f"tiles of {block} against one tile of all {T} keys")
 
 
 # ---------- Exercise 3.2 (GPU): the add_rms_norm kernel in CUDA C vs its NumPy twin ----------
@@ -133,7 +137,7 @@ def test_rms_norm_kernel_source_matches_the_numpy_twin(kernel_source, T, hidden,
     got = from_bf16(out)
     assert not np.isnan(got[:T]).any(), "some outputs were never written (still NaN)"
     assert np.isnan(got[T:]).all(), "the kernel wrote past row T - 1"
-    np.testing.assert_allclose(cp.asnumpy(res_gpu), residual, rtol=1e-6, atol=1e-6 * scale,
-                               err_msg="residual must become residual + delta, in fp32")
+    close(cp.asnumpy(res_gpu), residual, "the residual after the kernel: it must become residual + delta, in fp32",
+          rtol=1e-6, atol=1e-6 * scale)
     err = rel_err(got[:T], expected)
     assert err < 1e-2, f"relative error {err:.2e} vs numpy_ops.add_rms_norm (tolerance 1e-2: bf16 output)"

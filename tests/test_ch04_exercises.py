@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.numeric import close
 from tinyvllm.formats.checkpoints import PRESETS
-from tinyvllm.model.gemm import gemm_colmajor
+from tinyvllm.model.gemm import OP_N, OP_T, gemm_colmajor
 
 pytestmark = pytest.mark.ch4
 
@@ -33,17 +34,44 @@ def random_pair(rng: np.random.Generator, T: int, N: int, K: int) -> tuple[np.nd
     return rng.standard_normal((T, K), dtype=np.float32), rng.standard_normal((N, K), dtype=np.float32)
 
 
+KEYS = {"transa", "transb", "m", "n", "k", "lda", "ldb", "ldc"}
+
+
+def refusal(p: dict, sizes: tuple[int, int, int]) -> str | None:
+    """Why cuBLAS would refuse these parameters (a leading dimension below its stored matrix's rows:
+    CUBLAS_STATUS_INVALID_VALUE) or read past a buffer; None if it would run."""
+    if p["transa"] not in (OP_N, OP_T) or p["transb"] not in (OP_N, OP_T):
+        return f"transa and transb must be OP_N ({OP_N}) or OP_T ({OP_T})"
+    m, n, k = p["m"], p["n"], p["k"]
+    operands = [("A (W's buffer)", (k, m) if p["transa"] == OP_T else (m, k), "lda", sizes[0]),
+                ("B (X's buffer)", (n, k) if p["transb"] == OP_T else (k, n), "ldb", sizes[1]),
+                ("C (Y's buffer)", (m, n), "ldc", sizes[2])]
+    for name, (rows, cols), ld, size in operands:
+        if p[ld] < rows:
+            return f"{name} is stored as a {rows} x {cols} column-major matrix, so {ld} must be >= {rows}, not {p[ld]}"
+        if (cols - 1) * p[ld] + rows > size:
+            return (f"{name} as a {rows} x {cols} column-major matrix with {ld} = {p[ld]} spans "
+                    f"{(cols - 1) * p[ld] + rows} values, but the buffer holds {size}")
+    return None
+
+
 def run(p: dict, x: np.ndarray, w: np.ndarray, C: np.ndarray) -> None:
     """cublasGemmEx(handle, transa, transb, m, n, k, 1, W, lda, X, ldb, 0, C, ldc), emulated."""
-    assert set(p) == {"transa", "transb", "m", "n", "k", "lda", "ldb", "ldc"}, f"keys: {sorted(p)}"
+    (T, K), N = x.shape, w.shape[0]
+    assert isinstance(p, dict) and set(p) == KEYS, f"return a dict with the keys {sorted(KEYS)}: got {p!r}"
+    why = refusal(p, (w.size, x.size, C.size))
+    assert why is None, f"T={T}, N={N}, K={K}: {why} (your parameters: {p})"
     gemm_colmajor(p["transa"], p["transb"], p["m"], p["n"], p["k"], 1.0, w.reshape(-1), p["lda"],
                   x.reshape(-1), p["ldb"], 0.0, C, p["ldc"])
 
 
-def assert_close(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
-    want = x @ w.T
-    assert not np.isnan(got).any(), "some elements of Y were never written (still NaN)"
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(x.shape[1]))
+def assert_close(got: np.ndarray, x: np.ndarray, w: np.ndarray, p: dict) -> None:
+    (T, K), N = x.shape, w.shape[0]
+    unwritten = int(np.isnan(got).sum())
+    assert not unwritten, (f"T={T}, N={N}, K={K}: {unwritten} of the {got.size} elements of Y were never written "
+                           f"(still NaN) with your parameters {p}")
+    close(got, x @ w.T, f"Y against x @ w.T, T={T}, N={N}, K={K}, your parameters {p}", rtol=1e-4,
+          atol=1e-4 * np.sqrt(K))
 
 
 # ---- Exercise 4.1: gemm_params ------------------------------------------------------------
@@ -53,8 +81,9 @@ def assert_close(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
 def test_gemm_params_for_every_layer_gemm(impl, preset, name, N, K, T, rng):
     x, w = random_pair(rng, T, N, K)
     C = np.full(T * N, np.nan, np.float32)  # row-major Y (T, N), flat
-    run(impl("gemm_params")(T, N, K), x, w, C)
-    assert_close(C.reshape(T, N), x, w)
+    p = impl("gemm_params")(T, N, K)
+    run(p, x, w, C)
+    assert_close(C.reshape(T, N), x, w, p)
 
 
 @pytest.mark.parametrize("trial", range(12))
@@ -62,19 +91,21 @@ def test_gemm_params_on_random_odd_shapes(impl, trial, rng):
     T, N, K = (int(v) for v in rng.integers(1, 80, size=3) | 1)  # odd: no size hides a mistake
     x, w = random_pair(rng, T, N, K)
     C = np.full(T * N, np.nan, np.float32)
-    run(impl("gemm_params")(T, N, K), x, w, C)
-    assert_close(C.reshape(T, N), x, w)
+    p = impl("gemm_params")(T, N, K)
+    run(p, x, w, C)
+    assert_close(C.reshape(T, N), x, w, p)
 
 
 def test_gemm_params_are_not_the_naive_call(impl, rng):
     """T != N: asking for Y itself (m=T, n=N) would fail this, leaving Y^T's bytes in the buffer."""
     T, N, K = 3, 5, 4
     p = impl("gemm_params")(T, N, K)
-    assert (p["m"], p["n"], p["k"]) == (N, T, K), "C is Y^T: N rows, T columns, summed over K"
+    assert (p["m"], p["n"], p["k"]) == (N, T, K), \
+        f"T={T}, N={N}, K={K}: (m, n, k) = {(p['m'], p['n'], p['k'])}, but C is Y^T: N rows, T columns, summed over K"
     x, w = random_pair(rng, T, N, K)
     C = np.full(T * N, np.nan, np.float32)
     run(p, x, w, C)
-    assert_close(C.reshape(T, N), x, w)
+    assert_close(C.reshape(T, N), x, w, p)
 
 
 # ---- Exercise 4.2: gemm_params_into_slice -------------------------------------------------
@@ -90,10 +121,12 @@ def test_gemm_params_into_slice_writes_only_the_slice(impl, trial, rng):
     before, after = int(rng.integers(0, 40)), int(rng.integers(1, 40))  # rows wider than the slice
     buffer = np.full((T, before + N + after), np.nan, np.float32)
     x, w = random_pair(rng, T, N, K)
-    slice_run(impl("gemm_params_into_slice")(T, N, K, buffer.shape[1]), x, w, buffer, before)
-    assert_close(buffer[:, before:before + N], x, w)
-    assert np.isnan(buffer[:, :before]).all() and np.isnan(buffer[:, before + N:]).all(), \
-        "the GEMM wrote outside its column slice"
+    p = impl("gemm_params_into_slice")(T, N, K, buffer.shape[1])
+    slice_run(p, x, w, buffer, before)
+    outside = int((~np.isnan(buffer[:, :before])).sum() + (~np.isnan(buffer[:, before + N:])).sum())
+    assert not outside, (f"rows {buffer.shape[1]} wide, the slice columns {before}..{before + N - 1}: the GEMM wrote "
+                         f"{outside} elements outside the slice, with your parameters {p}")
+    assert_close(buffer[:, before:before + N], x, w, p)
 
 
 @pytest.mark.parametrize("preset", ["smollm2-135m", "llama-3.2-1b"])
@@ -106,15 +139,16 @@ def test_gemm_params_into_slice_builds_fused_qkv(impl, preset, rng):
     for w, first in zip(ws, (0, c.q_size, c.q_size + c.kv_size)):
         p = impl("gemm_params_into_slice")(T, w.shape[0], c.hidden_size, qkv.shape[1])
         slice_run(p, x, w, qkv, first)
-    assert_close(qkv, x, np.concatenate(ws))
+    assert_close(qkv, x, np.concatenate(ws), p)
 
 
 def test_gemm_params_into_slice_of_the_whole_buffer(impl, rng):
     T, N, K = 9, 13, 11
     x, w = random_pair(rng, T, N, K)
     C = np.full(T * N, np.nan, np.float32)
-    run(impl("gemm_params_into_slice")(T, N, K, N), x, w, C)  # a slice as wide as the rows: plain Y
-    assert_close(C.reshape(T, N), x, w)
+    p = impl("gemm_params_into_slice")(T, N, K, N)
+    run(p, x, w, C)  # a slice as wide as the rows: plain Y
+    assert_close(C.reshape(T, N), x, w, p)
 
 
 # ---- Exercise 4.3: colmajor_index ---------------------------------------------------------
@@ -125,11 +159,14 @@ def test_colmajor_index_matches_fortran_order(impl, trial, rng):
     ld = rows + int(rng.integers(0, 5))
     storage = np.asfortranarray(rng.standard_normal((ld, cols)))  # NumPy's own column-major layout
     flat, a = storage.ravel(order="K"), storage[:rows]  # a: rows x cols, columns ld apart in memory
-    assert np.shares_memory(flat, storage)
+    assert np.shares_memory(flat, storage), "the grader's flat view must be the storage itself"
     index = impl("colmajor_index")
     for i in range(rows):
         for j in range(cols):
-            assert flat[index(i, j, ld)] == a[i, j], f"element ({i}, {j}) with ld={ld}"
+            got = index(i, j, ld)
+            assert isinstance(got, (int, np.integer)), f"colmajor_index({i}, {j}, {ld}) returned {got!r}: return an int"
+            assert flat[got] == a[i, j], (f"a {rows} x {cols} matrix, columns {ld} apart: colmajor_index({i}, {j}, "
+                                          f"{ld}) = {got}, but element ({i}, {j}) is at {i + j * ld}")
 
 
 def test_colmajor_index_of_a_row_major_matrix_is_its_transpose(impl, rng):
@@ -137,4 +174,9 @@ def test_colmajor_index_of_a_row_major_matrix_is_its_transpose(impl, rng):
     r, c = 3, 5
     m = rng.standard_normal((r, c))
     flat, index = m.reshape(-1), impl("colmajor_index")
-    assert all(flat[index(j, i, c)] == m[i, j] for i in range(r) for j in range(c))
+    for i in range(r):
+        for j in range(c):
+            got = index(j, i, c)
+            assert flat[got] == m[i, j], (f"a row-major {r} x {c} matrix read column-major with ld = {c}: element "
+                                          f"({j}, {i}) of that {c} x {r} matrix is m[{i}, {j}], at {j + i * c}; "
+                                          f"colmajor_index({j}, {i}, {c}) = {got}")

@@ -16,6 +16,7 @@ from collections import deque
 import numpy as np
 import pytest
 
+from tests.numeric import same
 from tinyvllm.engine import scheduler as scheduler_module
 from tinyvllm.engine.block_manager import blocks_for
 from tinyvllm.engine.sampling import SamplingParams
@@ -89,15 +90,16 @@ def test_admit_takes_the_queue_in_order_while_everything_fits(impl):
     sched = make_scheduler(blocks, running=[(10, 20), (11, 5)],
                            waiting=[(0, 30), (1, 50), (2, 20), (3, 70), (4, 40)])
     step = Step()
-    assert impl("admit")(sched, step, 100, 1000) is None
+    assert impl("admit")(sched, step, 100, 1000) is None, "admit returns nothing: it changes scheduler and step"
     assert ids(step.prefills) == [0, 1, 2, 3, 4], "admitted sequences go into step.prefills in arrival order"
     assert step.chunks == [30, 50, 20, 70, 40], "step.chunks[i]: the tokens step.prefills[i] computes (all of them)"
     assert ids(sched.running) == [10, 11, 0, 1, 2, 3, 4], "admitted sequences go to the END of running"
-    assert not sched.waiting
-    assert all(s.status is Status.RUNNING for s in sched.running)
+    assert not sched.waiting, f"everyone fits: nobody should be left waiting, got {ids(sched.waiting)}"
+    same([s.status for s in sched.running], [Status.RUNNING] * 7, "the status of every running sequence")
     assert blocks.admitted == [0, 1, 2, 3, 4], "blocks.admit(seq_id, token_ids) once per admitted sequence"
-    assert all(s.num_cached == 0 and s.num_computed == 0 for s in step.prefills)
-    assert step.decodes == [] and step.preempted == []
+    same([(s.num_cached, s.num_computed) for s in step.prefills], [(0, 0)] * 5,
+         "(num_cached, num_computed) of each admitted sequence (nothing is cached: blocks.admit returned 0)")
+    assert step.decodes == [] and step.preempted == [], "admit only fills step.prefills and step.chunks"
 
 
 @pytest.mark.ch7
@@ -110,8 +112,8 @@ def test_admit_stops_at_the_first_that_does_not_fit_nobody_overtakes(impl):
     impl("admit")(sched, step, 4, 1000)
     assert ids(step.prefills) == [0], "FIFO: the first that does not fit ends admission"
     assert ids(sched.waiting) == [1, 2], "a refused sequence stays at the head of the queue"
-    assert isinstance(sched.waiting, deque)
-    assert [s.status for s in sched.waiting] == [Status.WAITING] * 2
+    assert isinstance(sched.waiting, deque), f"scheduler.waiting must stay a deque, got {type(sched.waiting).__name__}"
+    same([s.status for s in sched.waiting], [Status.WAITING] * 2, "the status of the sequences still waiting")
     assert blocks.admitted == [0], "blocks.admit must not be called for a refused sequence"
     assert blocks.freed == [], "nothing is freed by admission"
 
@@ -138,7 +140,7 @@ def test_admit_asks_the_block_manager_how_many_blocks_a_prompt_takes(impl):
     step = Step()
     impl("admit")(sched, step, 3, 1000)
     assert ids(step.prefills) == [0, 1], "seq 0 takes 1 block (blocks_to_admit), seq 1 the other 2"
-    assert ids(sched.waiting) == [2]
+    same(ids(sched.waiting), [2], "who is still waiting")
 
 
 @pytest.mark.ch7
@@ -149,7 +151,8 @@ def test_admit_respects_max_num_seqs(impl):
     step = Step()
     impl("admit")(sched, step, 100, 1000)
     assert ids(step.prefills) == [0, 1], "4 slots, 2 taken: two more"
-    assert ids(sched.waiting) == [2, 3] and len(sched.running) == 4
+    same(ids(sched.waiting), [2, 3], "who is still waiting")
+    same(len(sched.running), 4, "len(scheduler.running)")
     blocks = FakeBlocks(num_free=100)
     sched = make_scheduler(blocks, max_num_seqs=2, running=[(10, 5), (11, 5)], waiting=[(0, 5)])
     step = Step()
@@ -168,7 +171,8 @@ def test_admit_splits_the_prompt_the_budget_cannot_hold(impl):
     assert ids(step.prefills) == [0, 1, 2] and step.chunks == [40, 50, 10], \
         "each computes min(its uncached tokens, the budget left): the third gets a chunk of 10"
     assert sum(step.chunks) <= 100, "the step's budget is `budget`, not max_num_batched_tokens"
-    assert ids(sched.waiting) == [3] and blocks.admitted == [0, 1, 2]
+    same(ids(sched.waiting), [3], "who is still waiting")
+    same(blocks.admitted, [0, 1, 2], "the sequences blocks.admit was called for")
     blocks = FakeBlocks(num_free=100)
     sched = make_scheduler(blocks, budget=1000, waiting=[(0, 60), (1, 40), (2, 1)])
     step = Step()
@@ -183,7 +187,9 @@ def test_admit_with_no_budget_left_admits_nobody(impl):
     sched = make_scheduler(blocks, waiting=[(0, 5)])
     step = Step()
     impl("admit")(sched, step, 100, 0)
-    assert step.prefills == [] and blocks.admitted == [] and ids(sched.waiting) == [0]
+    same(ids(step.prefills), [], "step.prefills with no budget left")
+    same(blocks.admitted, [], "the sequences blocks.admit was called for")
+    same(ids(sched.waiting), [0], "who is still waiting")
 
 
 @pytest.mark.ch7
@@ -194,7 +200,7 @@ def test_admit_a_chunk_takes_the_blocks_of_the_chunk(impl):
     sched = make_scheduler(blocks, waiting=[(0, 200)])
     step = Step()
     impl("admit")(sched, step, 3, 40)
-    assert ids(step.prefills) == [0] and step.chunks == [40]
+    same((ids(step.prefills), step.chunks), ([0], [40]), "(step.prefills ids, step.chunks): a chunk of 40 in 3 blocks")
 
 
 @pytest.mark.ch7
@@ -234,7 +240,8 @@ def test_admit_with_nobody_waiting_does_nothing(impl):
     sched = make_scheduler(blocks, running=[(3, 10)])
     step = Step()
     impl("admit")(sched, step, 10, 100)
-    assert step.prefills == [] and ids(sched.running) == [3] and blocks.admitted == []
+    same((ids(step.prefills), ids(sched.running), blocks.admitted), ([], [3], []),
+         "(step.prefills, scheduler.running, blocks.admit calls) with nobody waiting")
 
 
 @pytest.mark.ch7
@@ -249,10 +256,12 @@ def test_admit_inside_decide_gets_what_the_decodes_and_a_started_prompt_left(imp
                            waiting=[(5, 30), (6, 10)])
     sched.running[2].num_computed = 40                    # a prompt halfway through (the others decode)
     step = sched.decide()
-    assert ids(step.decodes) == [0, 1] and step.preempted == []
-    assert ids(step.prefills) == [2, 5] and step.chunks == [20, 30], "the started prompt goes on from token 40"
-    assert len(step.decodes) + sum(step.chunks) <= 64
-    assert ids(sched.waiting) == [6]
+    same((ids(step.decodes), ids(step.preempted)), ([0, 1], []), "(decodes, preempted) of the step")
+    assert ids(step.prefills) == [2, 5] and step.chunks == [20, 30], \
+        f"the started prompt goes on from token 40: expected prefills [2, 5] with chunks [20, 30], got " \
+        f"{ids(step.prefills)} with {step.chunks}"
+    assert len(step.decodes) + sum(step.chunks) <= 64, "the step computes more tokens than its budget of 64"
+    same(ids(sched.waiting), [6], "who is still waiting (seq 6 gets no block)")
 
 
 # ---------- Exercise 7.2: choose_victim ----------
@@ -279,10 +288,12 @@ def test_choose_victim_in_schedule_preempts_the_youngest_and_requeues_it_first(i
     blocks = FakeBlocks(num_free=1, append={0: 1, 1: 1, 2: 1}, held={0: 3, 1: 3, 2: 2})
     sched = make_scheduler(blocks, running=[(0, 48), (1, 32), (2, 16)], waiting=[(7, 5)])
     step = sched.decide()
-    assert ids(step.decodes) == [0, 1] and ids(step.preempted) == [2] and step.prefills == []
-    assert ids(sched.running) == [0, 1] and ids(sched.waiting) == [2, 7] and blocks.freed == [2]
+    same((ids(step.decodes), ids(step.preempted), ids(step.prefills)), ([0, 1], [2], []),
+         "(decodes, preempted, prefills) of the step")
+    same((ids(sched.running), ids(sched.waiting), blocks.freed), ([0, 1], [2, 7], [2]),
+         "(running, waiting, blocks freed) after the step: the victim goes to the FRONT of the queue")
     victim = step.preempted[0]
-    assert victim.status is Status.WAITING and victim.preemptions == 1
+    same((victim.status, victim.preemptions), (Status.WAITING, 1), "the victim's (status, preemptions)")
 
 
 @pytest.mark.ch7
@@ -292,7 +303,8 @@ def test_choose_victim_in_schedule_may_preempt_the_asker(impl, monkeypatch):
     blocks = FakeBlocks(num_free=0, append={1: 1}, held={0: 2, 1: 2})
     sched = make_scheduler(blocks, running=[(0, 20), (1, 32)])
     step = sched.decide()
-    assert ids(step.decodes) == [0] and ids(step.preempted) == [1] and ids(sched.waiting) == [1]
+    same((ids(step.decodes), ids(step.preempted), ids(sched.waiting)), ([0], [1], [1]),
+         "(decodes, preempted, waiting): the youngest, seq 1, steps aside for the older seq 0")
 
 
 @pytest.mark.ch7
@@ -303,8 +315,8 @@ def test_choose_victim_in_schedule_preempts_youngest_first_until_it_fits(impl, m
     blocks = FakeBlocks(num_free=0, append={0: 1, 1: 1, 2: 1, 3: 1}, held={0: 1, 1: 1, 2: 1, 3: 1})
     sched = make_scheduler(blocks, running=[(0, 16), (1, 16), (2, 16), (3, 16)], waiting=[(9, 4)])
     step = sched.decide()
-    assert ids(step.decodes) == [0, 1] and ids(step.preempted) == [3, 2]
-    assert ids(sched.waiting) == [2, 3, 9] and blocks.freed == [3, 2]
+    same((ids(step.decodes), ids(step.preempted)), ([0, 1], [3, 2]), "(decodes, preempted) of the step")
+    same((ids(sched.waiting), blocks.freed), ([2, 3, 9], [3, 2]), "(waiting, blocks freed) after the step")
 
 
 # ---------- both, inside the engine ----------

@@ -8,16 +8,17 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from chapters import course, grade_report
 from chapters.figures import all_figures
-from chapters.grading import chapter_package, exercises
+from chapters.grading import chapter_numbers, chapter_package, exercises
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = range(1, 8)
+CHAPTERS = chapter_numbers()  # 1 .. 7 and 9: chapter 8 is not written yet
 
 
 def slug(chapter: int) -> str:
@@ -206,20 +207,76 @@ FAKE_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 def test_score_of_a_fake_junit_file(tmp_path):
     path = tmp_path / "fake.xml"
     path.write_text(FAKE_JUNIT)
-    rows = {(r.chapter, r.exercise): (r.result, r.passed, r.points) for r in grade_report.score(path)}
+    rows = {(r.chapter, r.exercise): (r.result, r.passed, r.cases, r.earned, r.weight)
+            for r in grade_report.score(path)}
     assert rows == {
-        (1, "1.1 rms_norm"): ("failed 1", 1, 2),
-        (1, "1.4 softmax"): ("passed", 1, 1),
-        (1, grade_report.TOGETHER): ("failed 1", 0, 1),
-        (3, "3.1 online_softmax_attention"): ("passed", 1, 1),
-        (3, "3.2 RMS_NORM_KERNEL_SOURCE"): ("needs GPU", 0, 1),  # never counted as passed
-        (7, grade_report.TOGETHER): ("passed", 1, 1),
-        (7, "7.2 choose_victim"): ("skipped", 0, 1),
+        (1, "1.1 rms_norm"): ("failed 1", 1, 2, 1.0, 2),  # half its cases: half its 2 points
+        (1, "1.4 softmax"): ("passed", 1, 1, 2.0, 2),
+        (1, grade_report.TOGETHER): ("failed 1", 0, 1, 0.0, 2),
+        (3, "3.1 online_softmax_attention"): ("passed", 1, 1, 6.0, 6),
+        (3, "3.2 RMS_NORM_KERNEL_SOURCE"): ("needs GPU", 0, 1, 0.0, 6),  # never counted as passed
+        (7, grade_report.TOGETHER): ("passed", 1, 1, 2.0, 2),
+        (7, "7.2 choose_victim"): ("skipped", 0, 1, 0.0, 2),
     }
     table = grade_report.table(grade_report.score(path))
-    assert re.search(r"total\s+4 / 8", table)
-    assert "1 of these points are CUDA C graders that need a GPU" in table
-    assert "test_rms_norm_matches_llama_rmsnorm[300.0]: AssertionError: relative error 0.3" in table
+    assert re.search(r"total\s+11.0 / 22", table)
+    assert "6 of these points are CUDA C graders that need a GPU" in table
+    assert "test_rms_norm_matches_llama_rmsnorm[300.0]: relative error 0.3" in table
+    assert "tests/test_ch01_exercises.py --impl=student -x" in table  # the chapter's own grader file
+    assert "pytest -m" not in table  # (a bare `pytest -m chN` collects the whole suite)
+
+
+def test_points_follow_the_weight_not_the_number_of_cases():
+    """31 cases of one exercise weigh what its POINTS say: weight x the fraction of cases passed."""
+    many = grade_report.Row(4, "4.1 gemm_params", weight=4, passed=30, failed=1)
+    few = grade_report.Row(4, "4.3 colmajor_index", weight=1, passed=7)
+    assert many.cases == 31 and many.earned == pytest.approx(4 * 30 / 31)
+    assert few.earned == 1.0
+    assert grade_report.Row(3, "3.2 RMS_NORM_KERNEL_SOURCE", weight=6, needs_gpu=10).earned == 0.0
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_exercise_has_a_weight(chapter):
+    names = set(grade_report.exercise_names(chapter))
+    weights = grade_report.POINTS[chapter]
+    assert names <= set(weights), f"chapter {chapter}: no weight in POINTS for {names - set(weights)}"
+    assert set(weights) <= names | {grade_report.TOGETHER}, f"POINTS names unknown exercises: {set(weights) - names}"
+    assert all(isinstance(w, int) and w > 0 for w in weights.values())
+
+
+def test_instructors_table_lists_the_weights_of_grade_report():
+    """INSTRUCTORS.md's exercise table says what grade_report.POINTS counts, and the totals add up."""
+    text = (ROOT / "INSTRUCTORS.md").read_text()
+    for chapter, weights in grade_report.POINTS.items():
+        names = grade_report.exercise_names(chapter)
+        for name in names:
+            row = re.search(rf"^\| {chapter} \|.*`{name}`.*\| (\d+) \|$", text, re.M)
+            assert row, f"INSTRUCTORS.md has no row for {chapter}.{names.index(name) + 1} `{name}` ending in its points"
+            assert int(row.group(1)) == weights[name], \
+                f"{name}: INSTRUCTORS.md says {row.group(1)}, POINTS {weights[name]}"
+        if grade_report.TOGETHER in weights:
+            row = re.search(rf"^\| {chapter} \| {chapter}\.x .*\| (\d+) \|$", text, re.M)
+            assert row and int(row.group(1)) == weights[grade_report.TOGETHER], \
+                f"chapter {chapter}'s 'all together' row: missing, or not {weights[grade_report.TOGETHER]} points"
+    total = sum(sum(w.values()) for w in grade_report.POINTS.values())
+    gpu = sum(grade_report.POINTS[n][name] for n in CHAPTERS for name in getattr(exercises(n), "GPU_EXERCISES", {}))
+    assert f"{total} points in all, {total - gpu} of them on a CPU" in text
+
+
+def test_failure_text_is_the_first_informative_line():
+    text = grade_report.failure_text
+    assert text("AssertionError: relative error 0.3 (tolerance 1e-05)\nassert 0.3 < 1e-05\n +  where 0.3 = f()") \
+        == "relative error 0.3 (tolerance 1e-05)"
+    assert text("AssertionError: \nNot equal to tolerance rtol=0.0001\n\nMismatched elements: 3 / 15") \
+        == "Not equal to tolerance rtol=0.0001"
+    path = f"{tempfile.gettempdir()}/pytest-of-me/pytest-12/test_x0/bad_json.safetensors"
+    assert text(f"TinyVLLMError: {path}: header is not JSON") == \
+        "TinyVLLMError: bad_json.safetensors: header is not JSON"
+    for note in ("Falsifying example", "Failing test case"):  # what hypothesis adds, by version
+        hypothesis = f"AssertionError: can_allocate(17) with 1 free blocks\n{note}: test_x(\n    num_blocks=1,\n)"
+        assert text(hypothesis) == "can_allocate(17) with 1 free blocks"
+    assert text("Failed: a 5-byte file: accepted") == "a 5-byte file: accepted"  # pytest.fail
+    assert len(text("x" * 1000)) <= 240
 
 
 @pytest.mark.parametrize("impl, earned", [("student", "none"), ("reference", "all")])
@@ -229,10 +286,11 @@ def test_grading_chapter_4_for_real(tmp_path, capsys, impl, earned):
     code = grade_report.main(["--chapters", "4", "--impl", impl, "--junit", str(xml)])
     rows = grade_report.score(xml)
     assert [r.exercise for r in rows] == ["4.1 gemm_params", "4.2 gemm_params_into_slice", "4.3 colmajor_index"]
-    assert all(r.points > 0 for r in rows)
+    assert all(r.cases > 0 for r in rows)
+    assert [r.weight for r in rows] == [grade_report.POINTS[4][n] for n in ("gemm_params", "gemm_params_into_slice",
+                                                                            "colmajor_index")]
     if earned == "none":
-        assert code == 1 and all(r.passed == 0 and r.result.startswith("failed") for r in rows)
+        assert code == 1 and all(r.passed == 0 and r.earned == 0 and r.result.startswith("failed") for r in rows)
     else:
-        assert code == 0 and all(r.passed == r.points and r.result == "passed" for r in rows)
+        assert code == 0 and all(r.passed == r.cases and r.earned == r.weight and r.result == "passed" for r in rows)
     assert "total" in capsys.readouterr().out
-

@@ -1,8 +1,10 @@
 """Chapter 2 exercises: read a safetensors header, widen and narrow bf16, lay out a blob.
 
 Fill in each function, then:
-    make grade CH=2                 # pytest -m ch2 --impl=student: the graders
+    make grade CH=2                 # the graders: a score table
     make chapter-2 IMPL=student     # the chapter's checkpoint, running the engine on your functions
+    .venv/bin/python -m pytest tests/test_ch02_exercises.py --impl=student -x
+                                    # the graders alone: the first failure, with its traceback
 
 Each function has the signature and docstring of the engine function it replaces (see REFERENCE).
 Raise tinyvllm.errors.TinyVLLMError for a corrupt file, never a bare exception.
@@ -26,7 +28,11 @@ REFERENCE = {
 def parse_header(raw: bytes, file_size: int, path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """The tensors and metadata described by the start of a safetensors file.
 
-    raw: the file's first bytes, at least the 8-byte length and the header it announces.
+    raw: the file's first bytes. read_header passes the 8-byte length N and the N bytes after it, or
+         fewer where the file ends sooner; another caller may pass the whole file. So do not trust
+         its length: a corrupt file gives you fewer than 8 bytes (a 5-byte file), or fewer than 8 + N
+         (an N past the end of the file), and both are errors to report, not to crash on; and raw may
+         run past 8 + N, where only raw[8:8 + N] is the header.
     file_size: the whole file's size in bytes, to check that every tensor's bytes are really there.
     path: used only in error messages.
     Returns ({name: TensorInfo with absolute offsets in the file}, {metadata key: value});
@@ -35,7 +41,8 @@ def parse_header(raw: bytes, file_size: int, path) -> tuple[dict[str, TensorInfo
     Hints: struct.unpack("<Q", raw[:8]) is the length N; raw[8:8 + N] is UTF-8 JSON; the data
     section starts at byte 8 + N; "__metadata__" is not a tensor. Check: N fits in the file, the
     JSON is an object, each dtype is in DTYPES, each [begin, end] lies inside the file, end - begin
-    equals prod(shape) * itemsize, and no two tensors' byte ranges overlap.
+    equals prod(shape) * itemsize, and no two tensors' byte ranges overlap (the header may list
+    them in any order).
     """
     raise NotImplementedError("Exercise 2.1: parse_header — read the 8-byte length, the JSON, "
                               "and check every entry")

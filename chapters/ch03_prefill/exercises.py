@@ -3,8 +3,10 @@
 Exercise 3.1 is NumPy and graded anywhere; Exercise 3.2 is CUDA C and graded on a GPU only (elsewhere
 its grader is skipped with "Exercise 3.2 is graded on a GPU"). Fill them in, then:
 
-    make grade CH=3                   # pytest -m ch3 --impl=student: the graders
+    make grade CH=3                   # the graders: a score table
     make chapter-3 IMPL=student       # the chapter's checkpoint, calling your online_softmax_attention
+    .venv/bin/python -m pytest tests/test_ch03_exercises.py --impl=student -x
+                                      # the graders alone: the first failure, with its traceback
 
 Keep Exercise 3.1 in float32: NumPy 2 turns float32 * float64 into float64 (the graders check the dtype).
 """

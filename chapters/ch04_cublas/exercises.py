@@ -1,8 +1,10 @@
 """Chapter 4 exercises: the cublasGemmEx parameters that make a column-major library compute row-major Y.
 
 Fill in each function, then:
-    make grade CH=4                 # pytest -m ch4 --impl=student: the graders (CPU, on the emulator)
+    make grade CH=4                 # the graders: a score table (CPU, on the emulator)
     make chapter-4 IMPL=student     # the chapter's checkpoint, with your parameters for every GEMM
+    .venv/bin/python -m pytest tests/test_ch04_exercises.py --impl=student -x
+                                    # the graders alone: the first failure, with its traceback
 
 Each function has the signature and docstring of the engine function it replaces (see REFERENCE).
 Try your answers on tinyvllm.model.gemm.gemm_colmajor, which does what cublasGemmEx does, on flat NumPy

@@ -3,8 +3,10 @@
 Exercise 5.1 is NumPy and graded anywhere; Exercise 5.2 is CUDA C and graded on a GPU only (elsewhere
 its grader is skipped with "Exercise 5.2 is graded on a GPU"). Fill them in, then:
 
-    make grade CH=5                   # pytest -m ch5 --impl=student: the graders
+    make grade CH=5                   # the graders: a score table
     make chapter-5 IMPL=student       # the chapter's checkpoint, with your decode_attention in the engine
+    .venv/bin/python -m pytest tests/test_ch05_exercises.py --impl=student -x
+                                      # the graders alone: the first failure, with its traceback
 
 Keep Exercise 5.1 in float32: NumPy 2 turns float32 * float64 into float64.
 """

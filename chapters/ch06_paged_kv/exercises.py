@@ -2,9 +2,11 @@
 
 Both are graded on the CPU. Fill them in, then:
 
-    make grade CH=6                   # pytest -m ch6 --impl=student: the graders
+    make grade CH=6                   # the graders: a score table
     make chapter-6 IMPL=student       # the chapter's checkpoint, with your BlockManager and slot_mapping
                                       # planning every step of the engine's PagedKVPool
+    .venv/bin/python -m pytest tests/test_ch06_exercises.py --impl=student -x
+                                      # the graders alone: the first failure, with its traceback
 
 `--impl student` replaces tinyvllm.engine.block_manager.BlockManager and tinyvllm.engine.block_manager.slot_mapping with
 yours; the checkpoint (and chapter 7's Scheduler) then builds your class, plan_prefill and plan_decode

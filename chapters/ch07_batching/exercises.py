@@ -3,9 +3,11 @@
 Both are plain Python on the host and graded on the CPU with a fake block manager (no model), then
 inside the real engine on a tiny random model. Fill them in, then:
 
-    make grade CH=7                   # pytest -m ch7 --impl=student: the graders
+    make grade CH=7                   # the graders: a score table
     make chapter-7 IMPL=student       # the chapter's checkpoint, with your admit and choose_victim
                                       # inside the engine's Scheduler
+    .venv/bin/python -m pytest tests/test_ch07_exercises.py --impl=student -x
+                                      # the graders alone: the first failure, with its traceback
 
 `--impl student` replaces tinyvllm.engine.scheduler.admit and tinyvllm.engine.scheduler.choose_victim with yours;
 Scheduler.decide calls them through the module, so every step of the engine then runs your code. Both

@@ -14,7 +14,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure  # no pyplot: the same code draws for files (Agg) and notebooks
 from matplotlib.patches import Patch
 
-from chapters.ch07_batching import checkpoint, server_demo
+from chapters.ch07_batching import checkpoint, live_page, server_demo
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine.block_manager import BLOCK_SIZE
 from tinyvllm.engine.engine import Engine
@@ -342,4 +342,5 @@ FIGURES = {
     "ch07_chunked_prefill.png": draw_chunked_prefill,
     "ch07_throughput_h200.png": draw_throughput_h200,
     "ch07_server_batch.png": server_demo.draw_server_batch,
+    "ch07_live_page.png": live_page.draw_live_page,
 }

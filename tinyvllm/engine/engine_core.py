@@ -6,7 +6,7 @@ a step, launch the kernels, sample). In one process they share one GIL, so every
 step delayed. vLLM's answer, and ours: the engine core runs in its own process and talks to the API
 server over two ZeroMQ sockets —
 
-    API server --- commands: Add(request), Abort(request id), None (shut down) ---> engine core
+    API server --- commands: Add(request), Abort(request id), Snapshot(), None (shut down) ---> engine core
     API server <-- one Report per step: new tokens per request, queue sizes ---- engine core
 
 The engine core does not detokenize token by token (the API side does, while the next step runs), except
@@ -33,11 +33,13 @@ import zmq
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.sampling import SamplingParams
 from tinyvllm.engine.sequence import Sequence, Status
+from tinyvllm.engine.snapshot import take_snapshot
 from tinyvllm.errors import TinyVLLMError
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600      # loading a model (and compiling kernels) on a cold machine takes minutes at worst
 POLL_MS = 500              # how often the API side checks that the engine process is still alive
+SEQUENCE_LISTS = ("prefill", "decode", "preempted")   # the lists of sequence ids in a step's trace record
 
 
 # ---- the messages (tuples pickle fast: one Report per step may carry hundreds of Updates) ----
@@ -52,6 +54,10 @@ class Add(NamedTuple):
 
 class Abort(NamedTuple):
     request_id: str
+
+
+class Snapshot(NamedTuple):
+    """Ask for the pool and the queues as they are after the next step (the live page; at most 4 a second)."""
 
 
 class Update(NamedTuple):
@@ -79,6 +85,7 @@ class Report(NamedTuple):
     updates: list[Update]
     stats: Stats
     step: dict | None                 # who prefilled, decoded, was preempted (request ids), for the chapter's plots
+    snapshot: dict | None = None      # the pool and the queues, only when a Snapshot was asked for
 
 
 # ---- the engine process ----
@@ -93,6 +100,7 @@ class EngineCore:
         self.sent: dict[str, int] = {}               # request id -> tokens already reported
         self.steps, self.started, self.parent = 0, time.perf_counter(), os.getppid()
         self.queries = self.hits = 0                 # prefix cache: tokens admitted, tokens found cached
+        self.snapshot_asked = False                  # a live page watches: the next Report carries a snapshot
 
     def run(self) -> None:
         busy = idle = 0.0                                          # seconds in steps, and waiting for work
@@ -115,9 +123,13 @@ class EngineCore:
             stepping = time.perf_counter()
             step = self._step(updates) if self.engine.has_work() else None
             busy += time.perf_counter() - stepping
-            self.reports.send(pickle.dumps(Report(updates, self.stats(), step), pickle.HIGHEST_PROTOCOL))
+            snapshot = self._snapshot() if self.snapshot_asked else None   # nobody watching: this `if` is all
+            self.reports.send(pickle.dumps(Report(updates, self.stats(), step, snapshot), pickle.HIGHEST_PROTOCOL))
 
-    def _apply(self, command: Add | Abort, updates: list[Update]) -> None:
+    def _apply(self, command: Add | Abort | Snapshot, updates: list[Update]) -> None:
+        if isinstance(command, Snapshot):
+            self.snapshot_asked = True
+            return
         if isinstance(command, Abort):
             self.deferred = [add for add in self.deferred if add.request_id != command.request_id]
             if command.request_id in self.requests:
@@ -166,8 +178,8 @@ class EngineCore:
                 sampled = seq.num_computed == len(seq) - 1   # its whole prompt fit this step: a token came out
                 self.queries += len(seq) - sampled           # the tokens the prefix cache was asked about
                 self.hits += seq.num_cached
-        record = {key: [self.names.get(i, i) for i in value] if isinstance(value, list) else value
-                  for key, value in self.engine.trace[-1].items()}   # sequence ids -> request ids
+        record = {key: [self.names.get(i, i) for i in value] if key in SEQUENCE_LISTS else value
+                  for key, value in self.engine.trace[-1].items()}   # sequence ids -> request ids (not the chunks)
         record["step"] = self.steps
         for seq, text in released:
             request_id = self.names.get(seq.seq_id)
@@ -176,6 +188,12 @@ class EngineCore:
                 if seq.status is Status.FINISHED:
                     self._forget(request_id)
         return record
+
+    def _snapshot(self) -> dict:
+        self.snapshot_asked, start = False, time.perf_counter()
+        snapshot = take_snapshot(self.engine.scheduler, self.names)
+        snapshot["took_ms"] = 1e3 * (time.perf_counter() - start)   # what watching costs the loop: the page shows it
+        return snapshot
 
     def _update(self, request_id: str, seq: Sequence, text: str) -> Update:
         start, self.sent[request_id] = self.sent[request_id], len(seq.output_ids)
@@ -299,6 +317,10 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
+
+    def ask_snapshot(self) -> None:
+        """The next Report will carry a snapshot (the API side asks at most every 250 ms, only while watched)."""
+        self._send(Snapshot())
 
     def _send(self, command) -> None:
         with self._lock:

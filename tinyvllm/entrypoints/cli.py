@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests allowed to wait for a slot; past it a request gets 429")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 routes (or set TINYVLLM_API_KEY)")
+    serve.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
+                       help="a live page at / that draws the KV pool, the queues and each step's batch")
 
     info = sub.add_parser("info", parents=[debug],
                           help="the model's config and memory map (weights and buffers)")
@@ -179,10 +181,11 @@ def cmd_serve(args) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(args.model, args.device, args.max_model_len, args.num_blocks, args.gpu_memory_utilization,
                           args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching)
-    server = Server(config, args.model, args.host, args.port, args.max_queue, api_key=args.api_key)
+    server = Server(config, args.model, args.host, args.port, args.max_queue, api_key=args.api_key, ui=args.ui)
     info = server.engine.info
+    page = f", live page at {server.url}/" if args.ui else ""
     print(f"serving {args.model!r} on {info['device']} (context window {info['max_model_len']} tokens): "
-          f"OpenAI API at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr)
+          f"OpenAI API at {server.url}/v1{page} (Ctrl-C stops)", file=sys.stderr)
     server.serve()
 
 

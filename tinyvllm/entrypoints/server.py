@@ -10,6 +10,7 @@ Two processes, as vLLM does it (chapter 7 measures why):
 
 So the HTTP work (JSON, detokenizing, one event per token per client) runs beside the engine's steps
 instead of between them. A hundred clients are a hundred sequences in one scheduler, decoded together.
+At / a live page (live.py) draws the KV pool, the queues and each step's batch as they change.
 
 No request can hurt another: a field that is wrong is refused at the edge; a request that fails inside
 the engine fails alone; a client that leaves (streaming or not, before or after its first byte) is
@@ -41,6 +42,7 @@ from tinyvllm.engine import sequence
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.engine_core import EngineClient, Report, Update
 from tinyvllm.engine.sampling import SamplingParams
+from tinyvllm.entrypoints import live
 from tinyvllm.entrypoints import openai_protocol as api
 from tinyvllm.entrypoints.metrics import Metrics
 from tinyvllm.errors import TinyVLLMError
@@ -136,6 +138,8 @@ class AsyncEngine:
         self.metrics = Metrics(model_name)
         self.choices: dict[str, Choice] = {}
         self.steps: deque[dict] = deque(maxlen=STEP_RECORDS)
+        self.recent = live.Recent()         # the last minute's tokens/s and times to first token (the live page)
+        self.board = live.SnapshotBoard(self.client.ask_snapshot, lambda part: live.page_json(part, self))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client.on_report, self.client.on_death = self._on_report, self._on_death
 
@@ -167,6 +171,9 @@ class AsyncEngine:
         self.metrics.engine_stats(report.stats)
         if report.step is not None:
             self.steps.append({**report.step, "time": now})
+        self.recent.add(report, now)
+        if report.snapshot is not None:     # a live page asked for one
+            self.board.arrived(report.snapshot)
         for update in report.updates:
             self._dispatch_one(update, now)
 
@@ -174,7 +181,10 @@ class AsyncEngine:
         choice = self.choices.get(update.request_id)
         if choice is None:                  # aborted a moment ago: its last tokens have nowhere to go
             return
+        waited = choice.first_token_time is None
         choice.apply(update, now, self.metrics)
+        if waited and choice.first_token_time is not None:
+            self.recent.first_token(now, now - choice.arrival)
         if choice.finished:
             del self.choices[update.request_id]
 
@@ -208,7 +218,7 @@ class AsyncEngine:
 # ---- the HTTP side ----
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, ui: bool = True) -> FastAPI:
     info, tokenizer = engine.info, engine.tokenizer
 
     @asynccontextmanager
@@ -350,6 +360,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise ApiError(500, f"the request failed in the engine: {failed.error}", "server_error")
         return JSONResponse(reply.whole())   # already plain JSON: skip FastAPI's slow recursive encoder
 
+    if ui:   # the live page at /, and its snapshots (serve --no-ui: none of it)
+        live.add_routes(app, engine, check_key)
     return app
 
 
@@ -581,7 +593,8 @@ class Server:
     """The engine process + uvicorn. serve() blocks (the CLI); start() runs uvicorn in a thread (tests, notebook)."""
     def __init__(self, config: EngineConfig, model_name: str = "default", host: str = "127.0.0.1",
                  port: int = 8000, max_queue: int = 256, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, log_level: str = "info", engine_in_thread: bool = False):
+                 max_body_bytes: int = MAX_BODY_BYTES, log_level: str = "info", engine_in_thread: bool = False,
+                 ui: bool = True):
         self.sock = listen(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         api_key = api_key or os.environ.get("TINYVLLM_API_KEY") or None
@@ -590,7 +603,7 @@ class Server:
         except BaseException:
             self.sock.close()
             raise
-        app = create_app(self.engine, model_name, api_key, max_body_bytes)
+        app = create_app(self.engine, model_name, api_key, max_body_bytes, ui)
         logging.getLogger("tinyvllm").setLevel(getattr(logging, log_level.upper()))
         self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
                                                      timeout_graceful_shutdown=1))

@@ -72,7 +72,9 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 def parse_header(raw: bytes, file_size: int, path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """The tensors and metadata described by the start of a safetensors file.
 
-    raw: the file's first bytes, at least the 8-byte length and the header it announces.
+    raw: the file's first bytes: read_header passes the 8-byte length N and the N bytes after it, or fewer
+         where the file ends sooner (fewer than 8, or than 8 + N: both reported); the whole file is fine
+         too (only raw[8:8 + N] is the header).
     file_size: the whole file's size in bytes, to check that every tensor's bytes are really there.
     path: used only in error messages.
     Returns ({name: TensorInfo with absolute offsets in the file}, {metadata key: value});
