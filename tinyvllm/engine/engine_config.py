@@ -42,14 +42,16 @@ class EngineConfig:
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    def step_tokens(self, device: str, model_len: int) -> int:
-        """Rows of the model's step buffers: the step's token budget (the device's default unless asked)."""
-        return min(self.max_num_batched_tokens or MAX_STEP_TOKENS[device], model_len)
+    def step_tokens(self, device: str) -> int:
+        """Rows of the model's step buffers: the step's token budget (the device's default unless asked).
+        Not capped by the context window: a step holds many sequences' tokens, each within the window
+        (vLLM sets max_num_batched_tokens apart from max_model_len for the same reason)."""
+        return self.max_num_batched_tokens or MAX_STEP_TOKENS[device]
 
     def clamped(self, device: str, model_len: int, num_blocks: int) -> EngineConfig:
         """These settings as the engine will run them, on `device`, with a model whose context is model_len
         (max_model_len applied) and a pool of num_blocks blocks."""
-        step_tokens = self.step_tokens(device, model_len)
+        step_tokens = self.step_tokens(device)
         return replace(self, device=device, num_blocks=num_blocks,
                        max_model_len=min(model_len, num_blocks * BLOCK_SIZE),  # one sequence must fit the pool
                        max_num_batched_tokens=step_tokens,

@@ -78,7 +78,7 @@ class Model:
         self.ops = ops = load_backend(device)
         self.device = "cuda" if ops.__name__.endswith("cuda_ops") else "cpu"
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.max_step_tokens = min(max_step_tokens, self.max_model_len)  # rows of every step buffer
+        self.max_step_tokens = max_step_tokens  # rows of every step buffer: the tokens of a step, all sequences'
         dtype = "bf16" if self.device == "cuda" else "f32"
         self.weight_regions = plan_engine_weights(cfg, dtype)
         self.weights = buffers.carve(ops.blob(buffers.blob_size(self.weight_regions)),
