@@ -19,10 +19,11 @@ from tests.chunking import chunked_logits
 from tests.numeric import rel_err
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine import prefix_cache
-from tinyvllm.engine.block_manager import plan_prefill
+from tinyvllm.engine.block_manager import BlockManager, plan_decode, plan_prefill
 from tinyvllm.engine.prefix_cache import PrefixCachingBlockManager
 from tinyvllm.model.kv_pool import BLOCK_SIZE, PagedKVPool
 from tinyvllm.model.model import Model
+from tinyvllm.model.decode import decode_batch
 from tinyvllm.model.prefill import prefill_batch
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -56,6 +57,36 @@ def test_a_chunk_after_a_prefix_cache_hit_gives_the_logits_of_one_prefill(tiny, 
         tail.append(prefill_batch(tiny, pool, [plan_prefill(blocks, 1, second, start, count)], all_logits=True))
     whole = chunked_logits(tiny, second, [len(second)])
     assert rel_err(np.concatenate(tail), whole[48:]) < 1e-5
+
+
+def test_decodes_riding_in_the_prefill_pass_give_what_two_passes_give(tiny, rng):
+    """One pass for a step (the engine's rule): a new prompt, a chunk continuing an earlier one, and two
+    decoding sequences as extra rows, against the same step run as a prefill pass and a decode pass.
+    Step buffers and free pool slots hold NaN, so a row that reads what it should not shows."""
+    vocab = tiny.cfg.vocab_size
+    decoding = [rng.integers(0, vocab, n).tolist() for n in (20, 33)]   # prompts already in the pool
+    started, fresh = rng.integers(0, vocab, 50).tolist(), rng.integers(0, vocab, 41).tolist()
+    results = {}
+    for mode in ("one pass", "two passes"):
+        blocks, pool = BlockManager(40), PagedKVPool(tiny.cfg, tiny.ops, 40)
+        pool.k[...], pool.v[...] = np.nan, np.nan
+        for seq, ids in enumerate(decoding):
+            prefill_batch(tiny, pool, [plan_prefill(blocks, seq, ids)])
+        prefill_batch(tiny, pool, [plan_prefill(blocks, 2, started, 0, 30)])   # its first chunk
+        for buffer in tiny.buffers.values():
+            buffer.fill(np.nan)
+        prefills = [plan_prefill(blocks, 2, started, 30, 20), plan_prefill(blocks, 3, fresh)]
+        decodes = plan_decode(blocks, [0, 1], [7, 9])
+        if mode == "one pass":
+            logits = prefill_batch(tiny, pool, prefills, decodes=decodes)
+        else:
+            logits = np.concatenate([prefill_batch(tiny, pool, prefills), decode_batch(tiny, pool, decodes)])
+        results[mode] = logits, pool.k.copy(), pool.v.copy()
+    (one, k1, v1), (two, k2, v2) = results["one pass"], results["two passes"]
+    assert one.shape == (4, vocab) and np.isfinite(one).all(), "two prompts' last rows, then the two decodes"
+    assert rel_err(one, two) < 1e-5, f"one pass vs two: relative error {rel_err(one, two):.1e}"
+    for a, b, name in ((k1, k2, "K"), (v1, v2, "V")):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"the pool's {name}")
 
 
 @pytest.mark.slow
