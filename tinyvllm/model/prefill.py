@@ -65,11 +65,11 @@ def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = F
         if decodes:             # one query per decoding sequence, its keys in the pool
             decode_attention(qkv[P:T], pool.k[layer], pool.v[layer], *decode_where, attn[P:T], H)
 
-    steps_and_decodes = [*steps, *decodes]
-    positions = np.concatenate([np.arange(s.start, s.end) for s in steps_and_decodes])
-    ids, positions, slots = (ops.to_device(np.asarray(a, dtype=np.int32)) for a in
-                             (np.concatenate([s.token_ids for s in steps_and_decodes]), positions,
-                              np.concatenate([np.asarray(s.slots) for s in steps_and_decodes])))
+    # the prompts' rows, then one row per decode (its columns built once, not a range per sequence)
+    ids = np.concatenate([*(s.token_ids for s in steps), [s.token_ids[0] for s in decodes]])
+    positions = np.concatenate([*(np.arange(s.start, s.end) for s in steps), [s.start for s in decodes]])
+    slots = np.concatenate([*(np.asarray(s.slots) for s in steps), [int(s.slots[0]) for s in decodes]])
+    ids, positions, slots = (ops.to_device(np.asarray(a, dtype=np.int32)) for a in (ids, positions, slots))
     residual, delta = run_layers(model, ids, positions, slots, pool, attend, on_layer)
     if all_logits:
         return final_logits(model, residual, delta, slice(0, T))
