@@ -329,23 +329,46 @@ def running_server(args, device: str, max_model_len: int, max_num_seqs: int, num
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "tinyvllm", "serve", "--model", args.model, "--device", device,
                "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-               "--num-blocks", str(num_blocks)]
+               "--num-blocks", str(num_blocks), "--api-server-count", str(args.api_server_count)]
     with tempfile.NamedTemporaryFile("w+", prefix="tinyvllm-serve-", suffix=".log", delete=False) as log:
         print(f"server: {shlex.join(command)} (log: {log.name})")
         proc = start_server(command, url, log)
         try:
-            yield url, shlex.join(command)
+            yield url, shlex.join(command), proc.pid
         finally:
             stop_server(proc)
 
 
 def run_mode(args, url: str, model: str, mode: str, prompts: Prompts, ignore_eos: bool,
-             rng: np.random.Generator) -> dict:
+             rng: np.random.Generator, group: int) -> dict:
     jobs = jobs_for(args, prompts, MODES[mode], ignore_eos, model,
                     arrival_times(len(prompts.ids), args.request_rate, rng))
+    before = cpu_seconds(group)
     row = summarize(run_clients(url, ROUTES[args.endpoint], jobs, args.concurrency, args.client_processes))
-    print(f"  {mode}: {row['output_throughput']:,.1f} output tok/s, {row['errors']} errors")
+    after = cpu_seconds(group)
+    row["server_cpu_s"] = {side: after[side] - before[side] for side in after}   # where the server's time went
+    cpu = ", ".join(f"{side} {seconds:.2f} s" for side, seconds in row["server_cpu_s"].items())
+    print(f"  {mode}: {row['output_throughput']:,.1f} output tok/s in {row['duration_s']:.2f} s, {row['errors']} errors;"
+          f" CPU time: {cpu or 'not measured (no /proc)'}")
     return row
+
+
+def cpu_seconds(group: int) -> dict[str, float]:
+    """CPU seconds so far of the server's processes (Linux /proc): the engine core, and the API side (the API
+    servers, and a supervisor when there are several). An API side near 1 s per second is one core, full."""
+    if not os.path.isdir("/proc"):
+        return {}
+    totals = {"api": 0.0, "engine": 0.0}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if os.getpgid(int(pid)) != group:
+                continue
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            side = "engine" if b"engine_core" in Path(f"/proc/{pid}/cmdline").read_bytes() else "api"
+        except (OSError, ProcessLookupError):   # gone meanwhile
+            continue
+        totals[side] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+    return totals
 
 
 # ---- the offline denominator ----
@@ -450,6 +473,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, help="default: the longest prompt + --output-len")
     p.add_argument("--max-num-seqs", type=int, help="server and offline (default: --concurrency, at most 256)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-server-count", type=int, default=1, help="the server's API-server processes")
     p.add_argument("--out", help="the result file (default: bench/results/serving-<model>-<device>-<time>.json)")
     args = p.parse_args()
     if args.concurrency is None:
@@ -499,7 +523,7 @@ def main() -> None:
                             max_model_len, rng)
 
     rounds = []
-    with running_server(args, device, max_model_len, max_num_seqs, num_blocks) as (url, server_command):
+    with running_server(args, device, max_model_len, max_num_seqs, num_blocks) as (url, server_command, group):
         model = served_model(url)
         ignore_eos = warm_up_server(url, args, warmup, model)
         llm = offline_engine(args, device, max_model_len, max_num_seqs, num_blocks)   # beside the idle server
@@ -507,7 +531,7 @@ def main() -> None:
         arrivals = np.random.default_rng([args.seed, 1])   # seeded, apart from the prompts
         for r, workload in enumerate(workloads):   # interleaved: a drift of the machine hits both sides alike
             print(f"round {r + 1} of {args.rounds}")
-            rows = {mode: run_mode(args, url, model, mode, workload[mode], ignore_eos, arrivals) for mode in modes}
+            rows = {mode: run_mode(args, url, model, mode, workload[mode], ignore_eos, arrivals, group) for mode in modes}
             rounds.append(rows | {"offline": run_offline(llm, workload["offline"])})
     per_round = {mode: [row[mode]["output_throughput"] / row["offline"]["output_throughput"] for row in rounds]
                  for mode in modes}
@@ -532,7 +556,7 @@ def main() -> None:
                            "client_processes": args.client_processes, "max_num_seqs": max_num_seqs,
                            "max_model_len": max_model_len, "num_blocks": num_blocks, "seed": args.seed,
                            "temperature": 0, "ignore_eos_sent": ignore_eos, "warmup_requests": len(warmup.ids),
-                           "rounds": args.rounds},
+                           "rounds": args.rounds, "api_server_count": args.api_server_count},
               "rounds": rounds, "http_over_offline_per_round": per_round,
               "http_over_offline": ratios, "target_http_over_offline": TARGET}
     if args.out:

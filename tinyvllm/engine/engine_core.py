@@ -9,6 +9,9 @@ server over two ZeroMQ sockets —
     API server --- commands: Add(request), Abort(request id), Snapshot(), None (shut down) ---> engine core
     API server <-- one Report per step: new tokens per request, queue sizes ---- engine core
 
+With several API-server processes (`serve --api-server-count N`, api_servers.py) each has its own pair of
+sockets; an Add names its process, and each step's Report to a process carries its requests' tokens only.
+
 The engine core does not detokenize token by token (the API side does, while the next step runs), except
 when stop strings need the text to decide where the output ends; its Update carries token ids. Nothing a request carries can
 stop this loop: a request that fails, fails alone (its Update carries the error), and the loop goes on.
@@ -50,6 +53,7 @@ class Add(NamedTuple):
     params: SamplingParams
     after: str | None = None          # sample 0 of the same prompt (n > 1): with prefix caching, start once
                                       # it is prefilled, so this sample finds the prompt's blocks cached
+    client: int = 0                   # the API-server process that sent it: its tokens are reported there
 
 
 class Abort(NamedTuple):
@@ -86,14 +90,16 @@ class Report(NamedTuple):
     stats: Stats
     step: dict | None                 # who prefilled, decoded, was preempted (request ids), for the chapter's plots
     snapshot: dict | None = None      # the pool and the queues, only when a Snapshot was asked for
+    tokens: int = 0                   # new tokens this step, every API-server process's requests together
 
 
 # ---- the engine process ----
 
 class EngineCore:
     """The loop in the engine process: apply commands, run one step, report. Blocks only when idle."""
-    def __init__(self, engine, commands: zmq.Socket, reports: zmq.Socket):
-        self.engine, self.commands, self.reports = engine, commands, reports
+    def __init__(self, engine, commands: zmq.Socket, reports: list[zmq.Socket]):
+        self.engine, self.commands, self.reports = engine, commands, reports   # one reports socket per API server
+        self.client_of: dict[str, int] = {}          # request id -> the API server it came from
         self.requests: dict[str, Sequence] = {}      # request id -> its sequence, while it waits or runs
         self.deferred: list[Add] = []                # samples waiting for their sample 0's prefill
         self.names: dict[int, str] = {}              # sequence id -> request id
@@ -124,7 +130,20 @@ class EngineCore:
             step = self._step(updates) if self.engine.has_work() else None
             busy += time.perf_counter() - stepping
             snapshot = self._snapshot() if self.snapshot_asked else None   # nobody watching: this `if` is all
-            self.reports.send(pickle.dumps(Report(updates, self.stats(), step, snapshot), pickle.HIGHEST_PROTOCOL))
+            self._report(updates, step, snapshot)
+
+    def _report(self, updates: list[Update], step: dict | None, snapshot: dict | None) -> None:
+        """Each API server gets its own requests' updates, and the step, the stats and the snapshot."""
+        stats, tokens = self.stats(), sum(len(update.token_ids) for update in updates)
+        routed = [updates] if len(self.reports) == 1 else [[] for _ in self.reports]
+        if len(self.reports) > 1:
+            for update in updates:
+                routed[self.client_of.get(update.request_id, 0)].append(update)
+        for socket, mine in zip(self.reports, routed):
+            socket.send(pickle.dumps(Report(mine, stats, step, snapshot, tokens), pickle.HIGHEST_PROTOCOL))
+        for update in updates:
+            if update.finish_reason is not None:
+                self.client_of.pop(update.request_id, None)
 
     def _apply(self, command: Add | Abort | Snapshot, updates: list[Update]) -> None:
         if isinstance(command, Snapshot):
@@ -132,9 +151,11 @@ class EngineCore:
             return
         if isinstance(command, Abort):
             self.deferred = [add for add in self.deferred if add.request_id != command.request_id]
+            self.client_of.pop(command.request_id, None)
             if command.request_id in self.requests:
                 self.engine.abort(self._forget(command.request_id))   # its blocks are back in the pool now
             return
+        self.client_of[command.request_id] = command.client
         if command.after is not None and self.engine.config.enable_prefix_caching and self._prefilling(command.after):
             return self.deferred.append(command)
         try:   # the API side checked the request; anything raised here still fails this request only
@@ -212,26 +233,39 @@ def one_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).splitlines()[0]
 
 
-def run_engine_core(config: EngineConfig, commands_address: str, reports_address: str) -> None:
-    """The engine process's main: build the LLM, say ready (or why not), loop until shut down."""
+def run_engine_core(config: EngineConfig, *addresses: str) -> None:
+    """The engine process's main: build the LLM, say ready (or why not), loop until shut down.
+    addresses: a (commands, reports) pair per API-server process; one PULL socket reads every commands one."""
     context = zmq.Context()
-    commands, reports = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    commands.connect(commands_address)
-    reports.connect(reports_address)
+    commands, reports = context.socket(zmq.PULL), [context.socket(zmq.PUSH) for _ in addresses[1::2]]
+    for address in addresses[0::2]:
+        commands.connect(address)
+    for socket, address in zip(reports, addresses[1::2]):
+        socket.connect(address)
+
+    def tell_all(message: tuple) -> None:
+        for socket in reports:
+            socket.send(pickle.dumps(message))
     try:
         from tinyvllm.engine.engine import Engine  # the model code: only the engine process needs it
         engine = Engine.from_config(config)
     except Exception as e:   # a bad model path or file: the API side reports it as the user's mistake
         if not isinstance(e, TinyVLLMError):
             log.exception("the engine failed to start")
-        reports.send(pickle.dumps(("failed", one_line(e), isinstance(e, TinyVLLMError))))
-        return
-    reports.send(pickle.dumps(("ready", engine_info(engine))))
+        return tell_all(("failed", one_line(e), isinstance(e, TinyVLLMError)))
+    tell_all(("ready", engine_info(engine)))
     EngineCore(engine, commands, reports).run()
-    reports.send(pickle.dumps(("closed",)))   # the API side's reader stops on it
+    tell_all(("closed",))                     # the API side's reader stops on it
     commands.close(linger=0)
-    reports.close(linger=1000)                # a second to deliver "closed", if anyone still listens
+    for socket in reports:
+        socket.close(linger=1000)             # a second to deliver "closed", if anyone still listens
     context.term()
+
+
+def start_engine_process(config: EngineConfig, addresses: list[str]) -> subprocess.Popen:
+    """The engine core in a fresh interpreter: no fork of this one's threads, no re-import of the caller's script."""
+    return subprocess.Popen([sys.executable, "-m", "tinyvllm.engine.engine_core", json.dumps(asdict(config)),
+                             *addresses])
 
 
 def engine_info(engine) -> dict:
@@ -246,9 +280,11 @@ def engine_info(engine) -> dict:
 
 @dataclass
 class EngineClient:
-    """Starts the engine process and talks to it. `on_report` runs (in a reader thread) for every Report."""
+    """Starts the engine process and talks to it. `on_report` runs (in a reader thread) for every Report.
+    With `attach`, talks to an engine process that api_servers.py started for several API servers."""
     config: EngineConfig
     in_thread: bool = False                 # tests: the engine in a thread of this process, to inject faults
+    attach: Attachment | None = None        # this API server's place among several, and the engine's pid
     info: dict = field(default_factory=dict)
     stats: Stats = field(default_factory=Stats)
     dead: str | None = None                 # why the engine is gone, once it is
@@ -256,21 +292,25 @@ class EngineClient:
     on_death: Callable[[str], None] | None = None
 
     def __post_init__(self):
-        self._dir = tempfile.mkdtemp(prefix="tinyvllm-")
+        self._dir = tempfile.mkdtemp(prefix="tinyvllm-") if self.attach is None else None
         self._context = zmq.Context()
         self._context.setsockopt(zmq.LINGER, 0)   # never block this process's exit on an undelivered message
         self._commands, self._reports = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
-        addresses = [f"ipc://{self._dir}/commands", f"ipc://{self._dir}/reports"]
+        addresses = engine_addresses(self._dir, 1)[0] if self.attach is None else self.attach.addresses
         self._commands.bind(addresses[0])
         self._reports.bind(addresses[1])
+        self._addresses = addresses
         self._lock = threading.Lock()       # sends come from the event loop and from shutdown
-        if self.in_thread:
+        self._closing = False
+        self.client_index = 0 if self.attach is None else self.attach.index
+        if self.attach is not None:
+            self.process = None             # api_servers.py's supervisor owns it
+        elif self.in_thread:
             self.process = threading.Thread(target=run_engine_core, args=(self.config, *addresses),
                                             name="tinyvllm-engine", daemon=True)
             self.process.start()
-        else:   # a fresh interpreter: no fork of this one's threads, no re-import of the caller's script
-            self.process = subprocess.Popen([sys.executable, "-m", "tinyvllm.engine.engine_core",
-                                             json.dumps(asdict(self.config)), *addresses])
+        else:
+            self.process = start_engine_process(self.config, list(addresses))
         self._wait_ready()
         self._reader = threading.Thread(target=self._read, name="tinyvllm-reports", daemon=True)
         self._reader.start()
@@ -291,7 +331,7 @@ class EngineClient:
         self.info = message[1]
 
     def _read(self) -> None:
-        while True:
+        while not self._closing:
             if not self._reports.poll(POLL_MS):
                 if not self.alive():
                     return self._died("the engine process stopped")
@@ -304,6 +344,8 @@ class EngineClient:
                 self.on_report(report)
 
     def alive(self) -> bool:
+        if self.attach is not None:
+            return pid_alive(self.attach.engine_pid)
         return self.process.is_alive() if self.in_thread else self.process.poll() is None
 
     def _died(self, reason: str) -> None:
@@ -313,7 +355,7 @@ class EngineClient:
             self.on_death(reason)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, after: str | None = None) -> None:
-        self._send(Add(request_id, prompt_ids, params, after))
+        self._send(Add(request_id, prompt_ids, params, after, self.client_index))
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
@@ -327,8 +369,8 @@ class EngineClient:
             self._commands.send(pickle.dumps(command, pickle.HIGHEST_PROTOCOL))
 
     def close(self) -> None:
-        """Ask the engine to stop, wait a moment, then make sure it has."""
-        if self.alive():
+        """Ask the engine to stop, wait a moment, then make sure it has (attached: only let go of it)."""
+        if self.attach is None and self.alive():
             try:   # never wait to deliver it: an engine that is exiting on its own has no socket to take it
                 with self._lock:
                     self._commands.send(pickle.dumps(None), zmq.NOBLOCK)
@@ -341,22 +383,43 @@ class EngineClient:
                     self.process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     self.process.kill()
+        self._closing = True                # an attached engine runs on: the reader stops at its next poll
         if getattr(self, "_reader", None) is not None:
             self._reader.join(timeout=2 * POLL_MS / 1000)
         self._commands.close(linger=0)
         self._reports.close(linger=0)
         self._context.term()
-        for name in ("commands", "reports"):
+        for address in self._addresses:
             try:
-                os.unlink(f"{self._dir}/{name}")
+                os.unlink(address.removeprefix("ipc://"))
             except FileNotFoundError:
                 pass
-        os.rmdir(self._dir)
+        if self._dir is not None:
+            os.rmdir(self._dir)
 
 
+class Attachment(NamedTuple):
+    """One API server's place among several (api_servers.py): its index, its socket pair, the engine's pid."""
+    index: int
+    addresses: tuple[str, str]
+    engine_pid: int
 
-if __name__ == "__main__":   # python -m tinyvllm.engine.engine_core SETTINGS_JSON COMMANDS_ADDRESS REPORTS_ADDRESS
+
+def engine_addresses(directory: str, count: int) -> list[tuple[str, str]]:
+    """A (commands, reports) pair of IPC addresses per API-server process, in `directory`."""
+    return [(f"ipc://{directory}/commands-{k}", f"ipc://{directory}/reports-{k}") for k in range(count)]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)   # signal 0: no signal, only the check (the supervisor reaps the engine at once)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+if __name__ == "__main__":   # python -m tinyvllm.engine.engine_core SETTINGS_JSON (COMMANDS REPORTS)...
     from tinyvllm.engine import engine_core  # the module's own classes, not __main__'s copies: pickles must match
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the API server stops us
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine_core.run_engine_core(engine_core.EngineConfig(**json.loads(sys.argv[1])), sys.argv[2], sys.argv[3])
+    engine_core.run_engine_core(engine_core.EngineConfig(**json.loads(sys.argv[1])), *sys.argv[2:])

@@ -80,6 +80,8 @@ class SamplingParams:
     def child(self, i: int) -> SamplingParams:
         """The params of sample i of an n-sample request (vLLM's parallel sampling): n=1, and seed + i
         when a seed is given, so each sample is reproducible and differs from its siblings."""
+        if self.n == 1:
+            return self   # already checked: a request's one sample skips a second validation
         return replace(self, n=1, seed=None if self.seed is None else self.seed + i)
 
 

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 routes (or set TINYVLLM_API_KEY)")
     serve.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
                        help="a live page at / that draws the KV pool, the queues and each step's batch")
+    serve.add_argument("--api-server-count", type=_positive_int, default=1,
+                       help="API-server processes in front of the one engine (HTTP, JSON and detokenizing "
+                            "for many clients take more than one core)")
 
     info = sub.add_parser("info", parents=[debug],
                           help="the model's config and memory map (weights and buffers)")
@@ -177,15 +180,16 @@ def cmd_serve(args) -> None:
     import logging
 
     from tinyvllm.engine.engine_config import EngineConfig
-    from tinyvllm.entrypoints.server import Server
+    from tinyvllm.entrypoints.server import Server, announce
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(args.model, args.device, args.max_model_len, args.num_blocks, args.gpu_memory_utilization,
                           args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching)
+    if args.api_server_count > 1:
+        from tinyvllm.entrypoints.api_servers import serve_many
+        return serve_many(config, args.api_server_count, args.model, args.host, args.port, args.max_queue,
+                          api_key=args.api_key, ui=args.ui)
     server = Server(config, args.model, args.host, args.port, args.max_queue, api_key=args.api_key, ui=args.ui)
-    info = server.engine.info
-    page = f", live page at {server.url}/" if args.ui else ""
-    print(f"serving {args.model!r} on {info['device']} (context window {info['max_model_len']} tokens): "
-          f"OpenAI API at {server.url}/v1{page} (Ctrl-C stops)", file=sys.stderr)
+    announce(args.model, server.engine.info, server.url, args.ui)
     server.serve()
 
 

@@ -58,7 +58,7 @@ class Recent:
         self.preemptions = 0
 
     def add(self, report: Report, now: float) -> None:
-        tokens = sum(len(u.token_ids) for u in report.updates)
+        tokens = report.tokens   # every API server's requests (with several, this one sees its own only)
         if report.step is not None:
             self.preemptions += len(report.step["preempted"])
         second = int(now)

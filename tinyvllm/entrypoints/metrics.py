@@ -8,10 +8,17 @@ dashboard or an alert written for vLLM reads tinyvllm unchanged:
     tokens (decode steps), and the whole request;
   - work done: prompt and generated token counters (their rate is throughput);
   - the prefix cache: prompt tokens looked up and found (their ratio is the hit rate).
+
+With several API-server processes (`serve --api-server-count N`), each counts its own requests into files
+of a shared folder (prometheus-client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR) and /metrics, whichever
+process answers it, adds them up; the engine's own numbers (queues, cache) are counted by process 0 only.
 """
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 # Buckets as vLLM's (seconds): a time to first token spans milliseconds (a cache hit) to minutes (a queue).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -23,13 +30,16 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class Metrics:
-    """One registry per server (tests run several servers in one process)."""
-    def __init__(self, model_name: str):
+    """One registry per server (tests run several servers in one process). engine_counters: this process
+    counts the engine's cumulative numbers (with several API servers, one of them does)."""
+    def __init__(self, model_name: str, engine_counters: bool = True):
         self.registry = registry = CollectorRegistry()
+        self.shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ   # set by api_servers.py before this process began
+        self.engine_counters = engine_counters
         label = {"labelnames": ["model_name"], "registry": registry}
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"vllm:{name}", doc, **label).labels(model_name)
+        def gauge(name: str, doc: str) -> Gauge:   # every process sees the same engine: the latest value is it
+            return Gauge(f"vllm:{name}", doc, multiprocess_mode="mostrecent", **label).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"vllm:{name}", doc, **label).labels(model_name)
@@ -57,6 +67,8 @@ class Metrics:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_cache_usage.set(1 - stats.free_blocks / stats.num_blocks if stats.num_blocks else 0.0)
+        if not self.engine_counters:
+            return
         self.cache_queries.inc(stats.prefix_cache_queries - self._seen[0])
         self.cache_hits.inc(stats.prefix_cache_hits - self._seen[1])
         self._seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
@@ -65,4 +77,8 @@ class Metrics:
         self._success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.shared:
+            return generate_latest(self.registry)
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process)
+        return generate_latest(every_process)

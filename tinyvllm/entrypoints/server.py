@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -40,7 +41,7 @@ from starlette.exceptions import HTTPException
 
 from tinyvllm.engine import sequence
 from tinyvllm.engine.engine_config import EngineConfig
-from tinyvllm.engine.engine_core import EngineClient, Report, Update
+from tinyvllm.engine.engine_core import Attachment, EngineClient, Report, Update
 from tinyvllm.engine.sampling import SamplingParams
 from tinyvllm.entrypoints import live
 from tinyvllm.entrypoints import openai_protocol as api
@@ -129,13 +130,14 @@ class Choice:
 
 class AsyncEngine:
     """The engine process as the HTTP handlers see it: submit choices, abort them, read the queues."""
-    def __init__(self, config: EngineConfig, model_name: str, max_queue: int = 256, in_thread: bool = False):
+    def __init__(self, config: EngineConfig, model_name: str, max_queue: int = 256, in_thread: bool = False,
+                 attach: Attachment | None = None):
         from tinyvllm.formats.checkpoints import resolve_model
         config = replace(config, model=str(resolve_model(config.model)))  # the default model is converted once, here
-        self.client = EngineClient(config, in_thread=in_thread)
-        self.info, self.max_queue = self.client.info, max_queue
+        self.client = EngineClient(config, in_thread=in_thread, attach=attach)
+        self.info, self.max_queue, self.alone = self.client.info, max_queue, attach is None
         self.tokenizer = load_tokenizer(config.model)
-        self.metrics = Metrics(model_name)
+        self.metrics = Metrics(model_name, engine_counters=attach is None or attach.index == 0)
         self.choices: dict[str, Choice] = {}
         self.steps: deque[dict] = deque(maxlen=STEP_RECORDS)
         self.recent = live.Recent()         # the last minute's tokens/s and times to first token (the live page)
@@ -196,13 +198,20 @@ class AsyncEngine:
         if len(choices) > most:   # never fits, however long the client waits: not a 429
             raise ApiError(400, f"this request asks for {len(choices)} sequences (prompts x n); this server takes "
                                 f"at most {most} at once (--max-num-seqs plus --max-queue); split it", param="n")
-        if len(choices) > most - len(self.choices):
+        if len(choices) > most - self.outstanding():
             raise ApiError(429, f"{len(self.choices)} sequences are running or waiting (the server's --max-num-seqs "
                                 "plus --max-queue); retry later", "rate_limit_error", code="queue_full")
         for choice in choices:
             self.choices[choice.request_id] = choice
             self.metrics.prompt_tokens.inc(len(choice.prompt_ids))
             self.client.add(choice.request_id, choice.prompt_ids, choice.params, choice.after)
+
+    def outstanding(self) -> int:
+        """Sequences running or waiting. Beside other API servers: the engine's count as of the last step
+        (a step behind for their newest requests: the limit guards memory, it is not a quota)."""
+        if self.alone:
+            return len(self.choices)
+        return max(len(self.choices), self.client.stats.running + self.client.stats.waiting)
 
     def abort(self, choices: list[Choice]) -> None:
         """Stop the unfinished ones now: the client is gone (or the request failed)."""
@@ -265,7 +274,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return JSONResponse(api.error(f"internal error: {type(e).__name__}", "server_error", code=500),
                             status_code=500)
 
-    def check_key(request: Request) -> None:
+    async def check_key(request: Request) -> None:   # async: a plain def would hop to a worker thread
         if api_key is None:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
@@ -273,7 +282,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    def json_only(request: Request) -> None:
+    async def json_only(request: Request) -> None:
         """A web page can POST text/plain to localhost without asking; it cannot send JSON unasked."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind != "application/json":
@@ -581,25 +590,38 @@ class AccessLog:
 
 # ---- running it ----
 
-def listen(host: str, port: int) -> socket.socket:
-    """Bind the port first, so a port in use is one clear error (port 0: any free port)."""
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{host}:{port}"
+
+
+def announce(model_name: str, info: dict, url: str, ui: bool) -> None:
+    page = f", live page at {url}/" if ui else ""
+    print(f"serving {model_name!r} on {info['device']} (context window {info['max_model_len']} tokens): "
+          f"OpenAI API at {url}/v1{page} (Ctrl-C stops)", file=sys.stderr)
+
+
+def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """Bind the port first, so a port in use is one clear error (port 0: any free port). reuse_port: one of
+    several API servers' sockets on the same port (the kernel spreads new connections over them)."""
     try:
-        return socket.create_server((host, port))
+        return socket.create_server((host, port), reuse_port=reuse_port)
     except OSError as e:
         raise TinyVLLMError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port or --host") from None
 
 
 class Server:
-    """The engine process + uvicorn. serve() blocks (the CLI); start() runs uvicorn in a thread (tests, notebook)."""
+    """The engine process + uvicorn. serve() blocks (the CLI); start() runs uvicorn in a thread (tests, notebook).
+    With `sock` and `attach`: one of several API servers (api_servers.py) on a shared socket and engine."""
     def __init__(self, config: EngineConfig, model_name: str = "default", host: str = "127.0.0.1",
                  port: int = 8000, max_queue: int = 256, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, log_level: str = "info", engine_in_thread: bool = False,
-                 ui: bool = True):
-        self.sock = listen(host, port)
-        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+                 ui: bool = True, sock: socket.socket | None = None, attach: Attachment | None = None):
+        self.sock = listen(host, port) if sock is None else sock
+        self.url = url_of(self.sock)
         api_key = api_key or os.environ.get("TINYVLLM_API_KEY") or None
         try:
-            self.engine = AsyncEngine(config, model_name, max_queue, in_thread=engine_in_thread)
+            self.engine = AsyncEngine(config, model_name, max_queue, in_thread=engine_in_thread, attach=attach)
         except BaseException:
             self.sock.close()
             raise

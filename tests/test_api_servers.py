@@ -1,0 +1,124 @@
+"""`serve --api-server-count N`: several API-server processes in front of one engine core.
+
+Run as a user runs it (the CLI in a process group of its own, stopped with Ctrl-C's SIGINT):
+- every answer equals the Python API's, whichever process took the connection, and both processes took some;
+- /metrics, from whichever process answers, counts every process's requests;
+- Ctrl-C stops every process of the group; a dead engine stops the API servers with one line and exit 2;
+- a bad model is one line and exit 2, as with one API server.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tinyvllm import LLM, SamplingParams
+
+MAX_MODEL_LEN, NUM_BLOCKS = 256, 128
+PROMPTS = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(24)]
+GREEDY = dict(temperature=0, max_tokens=8)
+
+
+def start_serve(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    """The CLI in its own process group; returns it and the URL it announced (or fails with its log)."""
+    command = [sys.executable, "-m", "tinyvllm", "serve", "--model", model, "--device", "cpu", "--port", "0",
+               "--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", str(NUM_BLOCKS), "--no-ui", *extra]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        found = re.search(r"OpenAI API at (http://\S+)/v1", line)
+        if found:
+            return proc, found.group(1)
+    proc.wait(30)
+    pytest.fail("serve stopped before it announced its URL:\n" + "".join(lines))
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+async def ask_all(url: str) -> list[str]:
+    """Each prompt on a connection of its own (so the kernel may hand it to either process), half streamed."""
+    async def one(i: int, prompt: str) -> str:
+        body = {"prompt": prompt, **GREEDY, "stream": i % 2 == 1}
+        async with httpx.AsyncClient(timeout=120) as http:
+            if not body["stream"]:
+                r = await http.post(f"{url}/v1/completions", json=body)
+                r.raise_for_status()
+                return r.json()["choices"][0]["text"]
+            text = ""
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+    return await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)])
+
+
+def test_two_api_servers_answer_as_one_and_stop_together(default_model_dir):
+    llm = LLM(default_model_dir, device="cpu", max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS)
+    outputs = llm.generate(PROMPTS, SamplingParams(**GREEDY))
+    want, want_tokens = [out.outputs[0].text for out in outputs], sum(len(out.outputs[0].token_ids) for out in outputs)
+    proc, url = start_serve("default", "--api-server-count", "2")
+    try:
+        got = asyncio.run(ask_all(url))
+        assert got == want, "every answer must equal LLM.generate's, whichever API server took it"
+        metrics = httpx.get(f"{url}/metrics").text
+        done = re.findall(r'vllm:request_success_total\{finished_reason="\w+",model_name="default"\} (\S+)', metrics)
+        tokens = re.search(r'vllm:generation_tokens_total\{model_name="default"\} (\S+)', metrics)
+        assert sum(map(float, done)) == len(PROMPTS), "/metrics adds up every API server's requests"
+        assert tokens and float(tokens.group(1)) == want_tokens
+        os.killpg(proc.pid, signal.SIGINT)                                   # Ctrl-C in the terminal
+        log = proc.stderr.read()
+        proc.wait(30)
+        assert wait_for(lambda: group_gone(proc.pid), 15), "every process of the group must stop"
+        served = {k: len(re.findall(rf"tinyvllm\.access\[{k}\]: POST /v1/completions 200", log)) for k in (0, 1)}
+        assert served[0] > 0 and served[1] > 0 and sum(served.values()) == len(PROMPTS), served
+    finally:
+        if not group_gone(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_dead_engine_stops_every_api_server():
+    proc, url = start_serve("default", "--api-server-count", "2")
+    try:
+        engines = [pid for pid in os.listdir("/proc") if pid.isdigit() and os.getpgid(int(pid)) == proc.pid
+                   and b"tinyvllm.engine.engine_core" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1, "one engine core for both API servers"
+        os.kill(int(engines[0]), signal.SIGKILL)
+        assert proc.wait(30) == 2
+        last = proc.stderr.read().strip().splitlines()[-1]
+        assert last.startswith("error: the engine process stopped"), last
+        assert wait_for(lambda: group_gone(proc.pid), 15)
+    finally:
+        if not group_gone(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_bad_model_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "config.json").write_text("[]")
+    result = subprocess.run([sys.executable, "-m", "tinyvllm", "serve", "--model", str(tmp_path), "--device", "cpu",
+                             "--port", "0", "--api-server-count", "2"], capture_output=True, text=True, timeout=120)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "config.json" in errors[0], result.stderr
