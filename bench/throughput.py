@@ -101,11 +101,32 @@ def hf_padded(hf, prompts, outputs, batch: int = 64) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
+def batch_invariant_cost(model_dir: Path, prompts, outputs, rows: dict) -> dict:
+    """The same workload and batch-1 decode with LLM(batch_invariant=True): what the mode costs (chapter 7)."""
+    import cupy as cp
+
+    from tinyvllm import LLM
+    llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.6, max_num_seqs=256, batch_invariant=True)
+    run_tinyvllm(llm, [p[:16] for p in prompts], list(range(1, len(prompts) + 1)))   # warm-up, as the default's
+    seconds, tokens = run_tinyvllm(llm, prompts, outputs)
+    ms = batch1_ms_per_token(llm)
+    cost = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+            "throughput_over_default": tokens / seconds / rows["tinyvllm"]["tokens_per_s"],
+            "batch1_ms_per_token": ms, "batch1_over_default": ms / rows["batch1_graphs"]["ms_per_token"]}
+    print(f"batch-invariant mode: {cost['tokens_per_s']:,.0f} tok/s ({cost['throughput_over_default']:.2f} of the "
+          f"default), batch-1 decode {ms:.3f} ms/token ({cost['batch1_over_default']:.2f}x the default)")
+    del llm
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    return cost
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="a Llama checkpoint dir (default: a synthetic Llama-3.2-1B)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-batch-invariant", action="store_true", help="leave out the batch-invariant mode's run")
     args = parser.parse_args()
     import cupy as cp
 
@@ -136,6 +157,7 @@ def main() -> None:
     del llm, small
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
+    invariant = None if args.skip_batch_invariant else batch_invariant_cost(model_dir, prompts, outputs, rows)
 
     if not args.skip_transformers:
         import torch
@@ -158,7 +180,7 @@ def main() -> None:
     result = {"benchmark": "throughput", "machine": machine(), "model": str(model_dir),
               "workload": {"requests": args.requests, "prompt_len": [100, 1024], "output_len": [100, 1024],
                            "seed": 0, "ignore_eos": True, "total_output_tokens": int(sum(outputs))},
-              "copy_bandwidth_gb_s": bandwidth / 1e9, "results": rows}
+              "copy_bandwidth_gb_s": bandwidth / 1e9, "results": rows, "batch_invariant": invariant}
     print("wrote", write_result("throughput", result))
 
 

@@ -23,7 +23,9 @@ INSTANCES = {  # (head_dim, query heads per K/V head): Llama 3.2 1B/3B, 3.1 8B, 
     "paged_attention": [f"template __global__ void paged_attention<{d}, {g}>({PAGED_ARGS});\n" for d, g in SHAPES]
     + [f"template __global__ void merge_splits<{d}>(const float*, int, __nv_bfloat16*, int);\n" for d in (32, 64, 128)],
     "gemv": [f"template __global__ void gemv<{n}, {f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, int, "
-             f"int);\n" for n in range(1, 9) for f in ("true", "false")],
+             f"int);\n" for n in range(1, 9) for f in ("true", "false")]
+    + [f"template __global__ void gemv_rows<{f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, int, int, "
+       f"int);\n" for f in ("true", "false")],
 }
 
 

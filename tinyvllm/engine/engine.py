@@ -58,7 +58,8 @@ class Engine:
         cfg = load_config(model_dir)  # a bad config.json is reported before anything else is read
         tokenizer = load_tokenizer(model_dir)
         model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        model = Model(model_dir, device, max_model_len=model_len, max_step_tokens=config.step_tokens(device))
+        model = Model(model_dir, device, max_model_len=model_len, max_step_tokens=config.step_tokens(device),
+                      batch_invariant=config.batch_invariant)
         num_blocks = config.num_blocks or pool_blocks(cfg, model.ops, config.gpu_memory_utilization)
         pool = PagedKVPool(cfg, model.ops, num_blocks)
         clamped = config.clamped(device, model_len, num_blocks)

@@ -29,6 +29,7 @@ class EngineConfig:
                                                  # device's MAX_STEP_TOKENS; longer prompts go in chunks
     enable_prefix_caching: bool = True           # vLLM v1's default: full blocks shared between prompts
     enforce_eager: bool = False                  # no CUDA graphs for decode
+    batch_invariant: bool = False                # a sequence's logits never depend on its batch (slower)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-batched-tokens", type=_positive_int,
                         help="a step's token budget; longer prompts are prefilled in chunks (default: 4096 on "
                              "the CPU, 8192 on a GPU)")
+    engine.add_argument("--batch-invariant", action="store_true",
+                        help="a request's output never depends on what else is batched with it (slower: "
+                             "kernels that sum in one fixed order)")
 
     gen = sub.add_parser("generate", parents=[debug, engine],
                          help="answer a prompt, streaming the text (several prompts: batched together)")
@@ -112,7 +115,7 @@ def build_llm(args, **settings):
     from tinyvllm.entrypoints.llm import LLM
     return LLM(args.model, device=args.device, num_blocks=args.num_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-               max_num_batched_tokens=args.max_num_batched_tokens, **settings)
+               max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant, **settings)
 
 
 def cmd_generate(args) -> None:
@@ -183,7 +186,8 @@ def cmd_serve(args) -> None:
     from tinyvllm.entrypoints.server import Server, announce
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(args.model, args.device, args.max_model_len, args.num_blocks, args.gpu_memory_utilization,
-                          args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching)
+                          args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching,
+                          batch_invariant=args.batch_invariant)
     if args.api_server_count > 1:
         from tinyvllm.entrypoints.api_servers import serve_many
         return serve_many(config, args.api_server_count, args.model, args.host, args.port, args.max_queue,

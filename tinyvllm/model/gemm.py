@@ -68,9 +68,23 @@ def colmajor_index(i: int, j: int, ld: int) -> int:
     return i + j * ld  # columns are contiguous; the next column starts ld elements further on
 
 
+SMALL_GEMM_OUTPUTS = 1200  # OpenBLAS (AVX-512 cores) sends x @ w.T to its small-matrix kernel up to T*N = 1200
+
+
 def gemm_numpy(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    """out (T, N) = x (T, K) @ w (N, K)^T, row-major, float32: the twin of gemm_cublas."""
-    np.matmul(x, w.T, out=out)
+    """out (T, N) = x (T, K) @ w (N, K)^T, row-major, float32: the twin of gemm_cublas.
+
+    A row's result does not depend on the other rows for T >= 2. T = 1 goes to NumPy's gemv, which sums
+    in another order (a lone decode row differs from the same row in a batch in the last bits): padding
+    it to 2 rows would make batch-1 decode ~3x slower (SmolLM2-135M 25 -> 74 ms/token), so it is left alone."""
+    T, N = out.shape
+    if 1 < T and T * N <= SMALL_GEMM_OUTPUTS:
+        # OpenBLAS's small-matrix kernel sums in another order than its blocked one: a row changed with T. Pad past it
+        padded = np.zeros((SMALL_GEMM_OUTPUTS // N + 1, x.shape[1]), np.float32)
+        padded[:T] = x
+        out[...] = (padded @ w.T)[:T]
+    else:
+        np.matmul(x, w.T, out=out)
 
 
 _cublas = None

@@ -22,6 +22,7 @@ import numpy as np
 from tinyvllm.formats.config import LlamaConfig, load_config, rope_inv_freq
 from tinyvllm.model import buffers
 from tinyvllm.model.backend import load_backend
+from tinyvllm.model.batch_invariant import BatchInvariantOps
 from tinyvllm.model.weights import open_checkpoint
 
 
@@ -72,11 +73,12 @@ class Layer:
 
 class Model:
     def __init__(self, model_dir: str | Path, device: str = "auto", max_step_tokens: int = 2048,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, batch_invariant: bool = False):
         self.cfg = cfg = load_config(model_dir)
         self.model_dir = Path(model_dir)
-        self.ops = ops = load_backend(device)
+        ops = load_backend(device)
         self.device = "cuda" if ops.__name__.endswith("cuda_ops") else "cpu"
+        self.ops = ops = BatchInvariantOps(ops) if batch_invariant else ops   # chapter 7: same request, same logits
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_step_tokens = max_step_tokens  # rows of every step buffer: the tokens of a step, all sequences'
         dtype = "bf16" if self.device == "cuda" else "f32"

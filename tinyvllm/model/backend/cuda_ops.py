@@ -65,6 +65,18 @@ def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
         (x, w, out, np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
 
 
+def gemm_invariant(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
+    """gemm for the batch-invariant mode: every row summed in one fixed order whatever T is (kernels/gemv.cu's
+    gemv_rows, on groups of GEMV_MAX_ROWS rows), so a sequence's logits do not depend on its batch."""
+    T, K = x.shape
+    N = w.shape[0]
+    assert x.strides == w.strides == (2 * K, 2) and K % BF16_PER_VECTOR == 0, "whole rows, 16-byte loads"
+    assert out.strides[1] == out.itemsize and out.shape == (T, N)
+    kernel("gemv", f"gemv_rows<{'true' if out.dtype == np.float32 else 'false'}>")(
+        (-(-T // GEMV_MAX_ROWS), -(-N // GEMV_COLUMNS_PER_BLOCK)), (GEMV_THREADS,),
+        (x, w, out, np.int32(T), np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
+
+
 def free_cached_memory() -> None:
     """Hand the memory CuPy caches for reuse back to the driver: a freed array's device memory stays in
     CuPy's pool (and pinned host memory in its pinned pool), where no other process can have it."""
@@ -221,3 +233,9 @@ def chunk_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, b
     k((-(-T // PREFILL_TILE), num_heads), (PREFILL_THREADS,),
       (qkv, k_cache, v_cache, block_table, np.int32(start), out, np.int32(T), np.int32(num_heads), np.int32(kv_heads),
        np.int32(qkv.strides[0] // 2), np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)), shared_mem=smem)
+
+
+# The batch-invariant mode's attention (chapter 7): the prefill and chunk kernels already walk a query's
+# keys in PREFILL_KEY_TILE tiles from position 0, whatever the prompt's length or chunking: the same sums.
+prefill_attention_invariant = prefill_attention
+chunk_attention_invariant = chunk_attention

@@ -22,6 +22,16 @@ xp = np
 DTYPE = np.float32  # activations and weights; the GPU stores bf16 bits here
 
 
+def gemm_invariant(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    """gemm for the batch-invariant mode (chapter 7): NumPy hands a single row to BLAS's gemv, which sums in
+    another order than its GEMM, so a lone row goes through the GEMM as two."""
+    if x.shape[0] > 1:
+        return gemm(x, w, out)
+    two = np.empty((2, w.shape[0]), np.float32)
+    gemm(np.concatenate([x, x]), w, two)
+    out[...] = two[:1]
+
+
 def free_cached_memory() -> None:
     """Nothing to do: NumPy gives an array's memory back as soon as its last reference goes."""
 
@@ -174,10 +184,11 @@ def attend_in_chunks(q: np.ndarray, k: np.ndarray, v: np.ndarray, splits: int | 
 
 
 def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                    lengths: np.ndarray, out: np.ndarray, num_heads: int) -> None:
+                    lengths: np.ndarray, out: np.ndarray, num_heads: int, splits: int | None = None) -> None:
     """kernels/paged_attention.cu: decode_attention, with row b's token t in slot
     block_tables[b, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE (chapter 6). The kernel's optional
-    context splits (chapter 7) only change the order of the same sums; the twin does not split."""
+    context splits (chapter 7) only change the order of the same sums; the twin does not split, whatever
+    `splits` says."""
     _, kv_heads, head_dim = k_cache.shape
     for b, length in enumerate(lengths.tolist()):
         table = block_tables[b, :-(-length // BLOCK_SIZE)]                # the blocks holding its keys, in order
@@ -185,6 +196,35 @@ def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
                 for cache in (k_cache, v_cache))                          # whole blocks gathered, then cut
         q = qkv[b, :num_heads * head_dim].reshape(kv_heads, num_heads // kv_heads, head_dim)
         out[b] = attend_in_chunks(q, k, v).reshape(-1)
+
+
+def prefill_attention_invariant(qkv: np.ndarray, out: np.ndarray, num_heads: int, num_kv_heads: int,
+                                head_dim: int) -> None:
+    """prefill_attention for the batch-invariant mode (chapter 7): each query as a decode query against its
+    own keys 0 .. i (attend_in_chunks: its sums grouped by its context's length alone). The whole-prompt
+    twin above groups a row's sums by the prompt's length T, so a prompt cut into other chunks, or a prefix
+    from the cache, changed the last bits. One query at a time: slow, and only this mode pays for it."""
+    q_cols, kv_cols = num_heads * head_dim, num_kv_heads * head_dim
+    k = qkv[:, q_cols:q_cols + kv_cols].reshape(-1, num_kv_heads, head_dim)
+    v = qkv[:, q_cols + kv_cols:q_cols + 2 * kv_cols].reshape(-1, num_kv_heads, head_dim)
+    _attend_one_by_one(qkv, k, v, 0, out, num_heads)
+
+
+def chunk_attention_invariant(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
+                              start: int, out: np.ndarray, num_heads: int) -> None:
+    """chunk_attention for the batch-invariant mode: as prefill_attention_invariant, keys read from the pool."""
+    t = np.arange(start + qkv.shape[0])
+    slots = block_table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
+    _attend_one_by_one(qkv, k_cache[slots], v_cache[slots], start, out, num_heads)
+
+
+def _attend_one_by_one(qkv: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, out: np.ndarray,
+                       num_heads: int) -> None:
+    """Row i is the query at position start + i; k, v (start + T, kv_heads, head_dim) hold its keys and more."""
+    _, kv_heads, head_dim = k.shape
+    for i in range(qkv.shape[0]):
+        q = qkv[i, :num_heads * head_dim].reshape(kv_heads, num_heads // kv_heads, head_dim)
+        out[i] = attend_in_chunks(q, k[:start + i + 1], v[:start + i + 1]).reshape(-1)
 
 
 def chunk_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,

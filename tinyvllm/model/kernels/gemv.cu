@@ -20,20 +20,19 @@
 
 static_assert(GEMV_THREADS == 32 * GEMV_COLUMNS_PER_BLOCK, "one warp per output column");
 
-template <int NB, bool F32_OUT>
-__global__ void __launch_bounds__(GEMV_THREADS) gemv(const __nv_bfloat16* x, const __nv_bfloat16* w, void* out, int K,
-                                                     int N, int out_stride) {
-    static_assert(NB >= 1 && NB <= GEMV_MAX_ROWS, "gemm sends more rows to cuBLAS");
-    const int j = blockIdx.x * GEMV_COLUMNS_PER_BLOCK + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (j >= N) return;  // the whole warp leaves together
-    const __nv_bfloat16* row = w + (long long)j * K;
-    float acc[NB] = {};
+// Each warp's row sums for output column `row` (a weight row): lane l takes k = 8l, 8l + 256, ..., one
+// 16-byte load at a time, then the warp adds its 32 partial sums up. Only the first `rows` input rows.
+template <int NB>
+__device__ __forceinline__ void gemv_sums(const __nv_bfloat16* x, const __nv_bfloat16* row, int K, int rows,
+                                          float (&acc)[NB]) {
+    const int lane = threadIdx.x % 32;
     #pragma unroll 4
     for (int k = lane * 8; k < K; k += 32 * 8) {  // a warp reads 512 contiguous bytes per iteration
         float wf[8];
         bf16x8_to_float(*reinterpret_cast<const uint4*>(row + k), wf);
         #pragma unroll
         for (int b = 0; b < NB; ++b) {
+            if (b >= rows) break;  // gemv: never (rows == NB); gemv_rows: the last group of rows
             float xf[8];
             bf16x8_to_float(*reinterpret_cast<const uint4*>(x + (long long)b * K + k), xf);
             #pragma unroll
@@ -41,12 +40,48 @@ __global__ void __launch_bounds__(GEMV_THREADS) gemv(const __nv_bfloat16* x, con
         }
     }
     #pragma unroll
+    for (int b = 0; b < NB; ++b) acc[b] = warp_sum(acc[b]);
+}
+
+template <int NB, bool F32_OUT>
+__device__ __forceinline__ void gemv_store(const float (&acc)[NB], void* out, int rows, int out_stride, int j) {
+    if (threadIdx.x % 32 != 0) return;
+    #pragma unroll
     for (int b = 0; b < NB; ++b) {
-        float sum = warp_sum(acc[b]);
-        if (lane == 0) {
-            long long at = (long long)b * out_stride + j;
-            if (F32_OUT) static_cast<float*>(out)[at] = sum;
-            else static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16(sum);
-        }
+        if (b >= rows) break;
+        long long at = (long long)b * out_stride + j;
+        if (F32_OUT) static_cast<float*>(out)[at] = acc[b];
+        else static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16(acc[b]);
     }
+}
+
+template <int NB, bool F32_OUT>
+__global__ void __launch_bounds__(GEMV_THREADS) gemv(const __nv_bfloat16* x, const __nv_bfloat16* w, void* out, int K,
+                                                     int N, int out_stride) {
+    static_assert(NB >= 1 && NB <= GEMV_MAX_ROWS, "gemm sends more rows to cuBLAS");
+    const int j = blockIdx.x * GEMV_COLUMNS_PER_BLOCK + threadIdx.x / 32;
+    if (j >= N) return;  // the whole warp leaves together
+    float acc[NB] = {};
+    gemv_sums<NB>(x, w + (long long)j * K, K, NB, acc);
+    gemv_store<NB, F32_OUT>(acc, out, NB, out_stride, j);
+}
+
+// Chapter 7 — gemv_rows: the batch-invariant GEMM (LLM(batch_invariant=True)), out (T, N) = x (T, K) @ W (N, K)^T
+// for any T: gemv's arithmetic on groups of GEMV_MAX_ROWS rows. Every row's sum runs in the same order (its
+// lane-strided k, then the warp's shuffle tree) whatever T is and whichever rows share its group, so a row's
+// result does not depend on its batch — unlike cuBLAS, whose tiling and split of K follow the shape. The price:
+// CUDA cores, not tensor cores, and the weights read once per group of rows (from L2 when the groups run together).
+// Launch: grid (ceil(T / GEMV_MAX_ROWS), ceil(N / GEMV_COLUMNS_PER_BLOCK)): the groups of rows vary fastest, so the
+//   blocks that run at once share their weight rows in L2; block (GEMV_THREADS), one output column per warp.
+// Layout: as gemv's; x (T, K) row-major, out (T, out_stride).
+template <bool F32_OUT>
+__global__ void __launch_bounds__(GEMV_THREADS) gemv_rows(const __nv_bfloat16* x, const __nv_bfloat16* w, void* out,
+                                                          int T, int K, int N, int out_stride) {
+    const int first = blockIdx.x * GEMV_MAX_ROWS, rows = min(GEMV_MAX_ROWS, T - first);
+    const int j = blockIdx.y * GEMV_COLUMNS_PER_BLOCK + threadIdx.x / 32;
+    if (j >= N) return;
+    float acc[GEMV_MAX_ROWS] = {};
+    gemv_sums<GEMV_MAX_ROWS>(x + (long long)first * K, w + (long long)j * K, K, rows, acc);
+    char* group_out = static_cast<char*>(out) + (long long)first * out_stride * (F32_OUT ? 4 : 2);  // its first row
+    gemv_store<GEMV_MAX_ROWS, F32_OUT>(acc, group_out, rows, out_stride, j);
 }
