@@ -474,3 +474,15 @@ def test_serve_with_a_bad_model_is_one_line_and_exit_2(capsys, tmp_path):
     code = main(["serve", "--port", "0", "--device", "cpu", "--model", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "config.json" in err
+
+
+def test_an_event_whose_text_holds_a_line_separator_stays_one_line():
+    """U+2028, U+2029 and U+0085 are legal in JSON and in server-sent events, but httpx's line reader (and so
+    the openai client) ends a line at each: a token that decodes to one cut its event in two (found by
+    bench/serving.py on random weights). The events escape them; the text reads back the same."""
+    from httpx._decoders import LineDecoder
+
+    from tinyvllm.entrypoints.server import event
+    text = "a\u2028b\u2029c\x85d é \\u2028"
+    lines = LineDecoder().decode(event({"choices": [{"text": text}]}))
+    assert len(lines) == 2 and lines[1] == "" and json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == text

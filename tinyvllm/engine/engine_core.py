@@ -109,26 +109,37 @@ class EngineCore:
         self.snapshot_asked = False                  # a live page watches: the next Report carries a snapshot
 
     def run(self) -> None:
-        busy = idle = 0.0                                          # seconds in steps, and waiting for work
+        """Until told to stop (None; SIGTERM from api_servers.py's supervisor) or orphaned; then one log line
+        of where the time went: in steps, in between (commands in, reports out), idle."""
+        busy, idle = [0.0], [0.0]
+        try:
+            self._loop(busy, idle)
+        finally:
+            log.info("%d steps: %.2f s in steps, %.2f s in between, %.2f s idle", self.steps, busy[0],
+                     time.perf_counter() - self.started - busy[0] - idle[0], idle[0])
+
+    def _loop(self, busy: list[float], idle: list[float]) -> None:
         while True:
             updates: list[Update] = []
             was_idle = not self.engine.has_work() and not self.deferred   # a sample 0 done at once frees its siblings
-            start = time.perf_counter()
-            while was_idle and not self.commands.poll(POLL_MS):   # idle: sleep until a command arrives
+            while was_idle:                                         # idle: sleep until a command arrives
+                start = time.perf_counter()
+                arrived = self.commands.poll(POLL_MS)
+                idle[0] += time.perf_counter() - start
+                if arrived:
+                    break
                 if os.getppid() != self.parent:                     # the API server is gone: so are we
                     return log.warning("the API server process is gone; the engine stops")
-            idle += time.perf_counter() - start if was_idle else 0.0
             while self.commands.poll(0):
                 command = pickle.loads(self.commands.recv())
                 if command is None:
-                    return log.info("%d steps: %.2f s in steps, %.2f s in between, %.2f s idle", self.steps,
-                                    busy, time.perf_counter() - self.started - busy - idle, idle)
+                    return
                 self._apply(command, updates)
             for command in self._ready_samples():
                 self._apply(command, updates)
             stepping = time.perf_counter()
             step = self._step(updates) if self.engine.has_work() else None
-            busy += time.perf_counter() - stepping
+            busy[0] += time.perf_counter() - stepping
             snapshot = self._snapshot() if self.snapshot_asked else None   # nobody watching: this `if` is all
             self._report(updates, step, snapshot)
 
@@ -421,5 +432,6 @@ def pid_alive(pid: int) -> bool:
 if __name__ == "__main__":   # python -m tinyvllm.engine.engine_core SETTINGS_JSON (COMMANDS REPORTS)...
     from tinyvllm.engine import engine_core  # the module's own classes, not __main__'s copies: pickles must match
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the API server stops us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # the supervisor of several API servers does
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine_core.run_engine_core(engine_core.EngineConfig(**json.loads(sys.argv[1])), *sys.argv[2:])

@@ -466,7 +466,7 @@ class Reply:
     def chunk(self, choice: Choice, text: str | None, ids: list[int], entries, finish_reason) -> str:
         if text is not None and entries is None and finish_reason is None:
             head, tail = self.text_events[choice.index]
-            return head + json.dumps(text, ensure_ascii=False) + tail
+            return head + sse_json(text) + tail
         logprobs = self.logprobs(choice, text or "", ids, entries)
         return event(self._chunk_data(choice.index, text, logprobs, finish_reason))
 
@@ -487,7 +487,17 @@ TEXT = "\x00text\x00"   # a placeholder no JSON dump leaves unescaped
 
 
 def event(data) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {sse_json(data)}\n\n"
+
+
+# JSON leaves U+0085, U+2028 and U+2029 as they are, and SSE allows them, but Python's str.splitlines() ends a
+# line at each: httpx's line reader (so the openai client) cut an event in two, and its JSON did not parse
+LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(data) -> str:
+    """One event's JSON: UTF-8 as it is (no \\uXXXX for every accent), except the characters that end a line."""
+    return json.dumps(data, ensure_ascii=False).translate(LINE_BREAKS_JSON_KEEPS)
 
 
 async def stream_events(engine: AsyncEngine, reply: Reply):
