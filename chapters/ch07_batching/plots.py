@@ -278,6 +278,36 @@ def draw_throughput_h200() -> Figure:
     fig.tight_layout()
     return fig
 
+def draw_batch_invariance() -> Figure:
+    """Greedy tokens of 6 prompts alone and inside a batch of 64, default mode and batch-invariant mode, from
+    the newest bench/results/batch_invariance-cuda-*.json (measured on a GPU): where the two answers part."""
+    results_dir = Path(__file__).resolve().parents[2] / "bench" / "results"
+    path = sorted(results_dir.glob("batch_invariance-cuda-*.json"))[-1]
+    result = json.loads(path.read_text())
+    n, modes = result["workload"]["max_tokens"], result["modes"]
+    fig = Figure(figsize=(9, 3.6))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, (name, label) in zip(axes, [("default", "default"), ("batch_invariant", "batch_invariant=True")]):
+        firsts = modes[name]["first_difference"]
+        for row, first in enumerate(firsts):
+            same = n if first is None else first
+            ax.barh(row, same, color="tab:green")
+            ax.barh(row, n - same, left=same, color="tab:red")
+        ax.set_xlim(0, n)
+        ax.set_xlabel("generated token")
+        ax.set_title(f"{label}: {modes[name]['same']} of {len(firsts)} answers identical\n"
+                     f"(the batch took {modes[name]['batch_seconds']:.2f} s)", fontsize=10)
+    axes[0].set_yticks(range(len(firsts)), [f"prompt {t}" for t in result["workload"]["targets"]])
+    axes[0].invert_yaxis()
+    fig.legend(handles=[Patch(color="tab:green", label="same token as alone"),
+                        Patch(color="tab:red", label="from the first difference on")],
+               loc="lower center", ncol=2, fontsize=9, bbox_to_anchor=(0.5, -0.06))
+    fig.suptitle(f"Greedy, alone vs inside a batch of {result['workload']['batch']} (synthetic Llama 3.2 1B, H200, "
+                 f"{path.name})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 CHUNK_BUDGET = 96   # tokens per step in the chunked-prefill figure: small enough to see the chunks
 
 
@@ -341,6 +371,7 @@ FIGURES = {
     "ch07_prefix_hits.png": draw_prefix_hits,
     "ch07_chunked_prefill.png": draw_chunked_prefill,
     "ch07_throughput_h200.png": draw_throughput_h200,
+    "ch07_batch_invariance.png": draw_batch_invariance,
     "ch07_server_batch.png": server_demo.draw_server_batch,
     "ch07_live_page.png": live_page.draw_live_page,
 }
