@@ -259,9 +259,11 @@ def draw_prefix_hits() -> Figure:
 
 
 def draw_throughput_h200() -> Figure:
-    """The H200 throughput benchmark, from the newest bench/results/throughput-*.json (measured on a GPU)."""
+    """The H200 throughput benchmark, from the newest bench/results/throughput-*.json with transformers in it
+    (measured on a GPU; runs with --skip-transformers have no peer to draw)."""
     results_dir = Path(__file__).resolve().parents[2] / "bench" / "results"
-    path = sorted(results_dir.glob("throughput-*.json"))[-1]
+    path = [p for p in sorted(results_dir.glob("throughput-*.json"))
+            if "transformers_continuous" in json.loads(p.read_text())["results"]][-1]
     results = json.loads(path.read_text())["results"]
     rows = [("tinyvllm\ncontinuous, 256", "tinyvllm"), ("tinyvllm\ncontinuous, 64", "continuous_64"),
             ("tinyvllm\nstatic, 64", "static_64"), ("transformers\ncontinuous", "transformers_continuous"),
