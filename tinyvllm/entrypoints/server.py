@@ -9,7 +9,8 @@ Two processes, as vLLM does it (chapter 7 measures why):
                server-sent events. A reader thread receives the engine's reports and hands them to the loop.
 
 So the HTTP work (JSON, detokenizing, one event per token per client) runs beside the engine's steps
-instead of between them. A hundred clients are a hundred sequences in one scheduler, decoded together.
+instead of between them. When one API process is not enough, `--api-server-count N` runs N of them on one
+port in front of the same engine core (api_servers.py). A hundred clients are a hundred sequences in one scheduler, decoded together.
 At / a live page (live.py) draws the KV pool, the queues and each step's batch as they change.
 
 No request can hurt another: a field that is wrong is refused at the edge; a request that fails inside
