@@ -7,8 +7,9 @@ One decode step reads every weight once (plus the context's K/V), so its floor i
 Reports ms per token (decode step + greedy sampling, until the id is on the host) against that floor,
 where the step's time goes — the GPU time of the step with its kernels queued back to back (behind
 op_timer.hold_gpu), per op, and the rest: launch gaps, the host launching ~150 kernels one by one,
-which chapter 7's CUDA graphs remove — and HF transformers (bf16, its KV cache) decoding on the same
-weights and context. Writes bench/results/decode-<time>.json.
+which chapter 7's CUDA graphs remove — the same step in the batch-invariant mode (chapter 7: its
+`batch_invariant` field), and HF transformers (bf16, its KV cache) decoding on the same weights and
+context. Writes bench/results/decode-<time>.json.
 
     python bench/decode.py [--model DIR] [--context 512] [--steps 64]
 """
@@ -118,6 +119,9 @@ def main() -> None:
     step_bytes = weight_bytes_per_step(model) + kv_bytes_per_step(model.cfg, args.context)
     floor_ms = 1e3 * step_bytes / bandwidth
     ms, kernel_ms, kernels = tinyvllm_ms_per_token(model, args.context, args.steps)
+    invariant = Model(model_dir, device="cuda", max_step_tokens=args.context, batch_invariant=True)
+    invariant_ms, invariant_kernel_ms, _ = tinyvllm_ms_per_token(invariant, args.context, args.steps)
+    del invariant
     hf_ms = transformers_ms_per_token(model_dir, args.context, args.steps)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; a step reads {step_bytes / 1e9:.3f} GB -> floor {floor_ms:.3f} ms")
     print(f"tinyvllm eager: {ms:.3f} ms/token = {ms / floor_ms:.2f}x the floor; kernels {kernel_ms:.3f} ms "
@@ -125,6 +129,7 @@ def main() -> None:
     for name, s in kernels.items():
         print(f"    {name:<18} {s * 1e3:8.3f} ms")
     print(f"    (sum over ops {1e3 * sum(kernels.values()):.3f} ms: each op's pair of CUDA events adds a little)")
+    print(f"batch-invariant mode (chapter 7): {invariant_ms:.3f} ms/token, {invariant_ms / ms:.2f}x the default")
     print(f"transformers (bf16, KV cache): {hf_ms:.3f} ms/token -> tinyvllm is {hf_ms / ms:.2f}x faster")
     result = {"benchmark": "decode", "machine": machine(), "model": str(model_dir), "config": vars(model.cfg),
               "batch": 1, "context": args.context, "steps": args.steps, "mode": "eager",
@@ -133,7 +138,9 @@ def main() -> None:
               "kernel_ms": kernel_ms, "kernel_ratio_to_floor": kernel_ms / floor_ms,
               "launch_gaps_and_host_ms": ms - kernel_ms,
               "kernel_ms_by_op": {k: round(v * 1e3, 4) for k, v in kernels.items()},
-              "transformers_ms_per_token": hf_ms, "speedup_vs_transformers": hf_ms / ms}
+              "transformers_ms_per_token": hf_ms, "speedup_vs_transformers": hf_ms / ms,
+              "batch_invariant": {"ms_per_token": invariant_ms, "over_default": invariant_ms / ms,
+                                  "kernel_ms": invariant_kernel_ms}}
     print("wrote", write_result("decode", result))
 
 
