@@ -10,9 +10,11 @@ Measured per run: output tokens/s from the first request sent to the last reply,
 snapshots received per second and the engine core's own time for each (each snapshot says it): their
 share of the run is the direct cost, which no drift of a shared machine blurs.
 
-The two kinds of run alternate, --rounds times (unwatched, watched, unwatched, ...), each with the same
-lengths but fresh token ids: on a shared machine throughput drifts over minutes, and a prompt seen before
-would be served from the prefix cache. The ratio reported is the median over the rounds of watched / unwatched output tokens/s.
+The two kinds of run alternate, --rounds times, and an unwatched run closes the series (unwatched, watched,
+unwatched, ..., watched, unwatched), each with the same lengths but fresh token ids: on a shared machine
+throughput drifts over minutes, and a prompt seen before would be served from the prefix cache. Each
+watched run is compared with the mean of the unwatched runs just before and after it (a drift that is
+steady over the three cancels out); the ratio reported is the median of those over the rounds.
 Writes bench/results/ui_overhead-<time>.json (or --out).
 
     python bench/ui_overhead.py [--model default] [--device auto] [--num-seqs 256] [--min-len 100]
@@ -101,7 +103,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences the engine runs at once")
     p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: what memory allows)")
-    p.add_argument("--rounds", type=int, default=3, help="pairs of runs, unwatched then watched")
+    p.add_argument("--rounds", type=int, default=3, help="watched runs, each between two unwatched ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="the result file (default: bench/results/ui_overhead-<time>.json)")
     args = p.parse_args()
@@ -125,19 +127,21 @@ def main() -> None:
                   for body in workload(args, allowed, run=10_000)]   # ids no timed run uses
         asyncio.run(run_once(server, warmup, watched=True))
         runs = []
-        for r in range(args.rounds):
-            for watched in (False, True):
-                bodies = workload(args, allowed, run=len(runs))
-                runs.append({"round": r, **asyncio.run(run_once(server, bodies, watched))})
-                row = runs[-1]
-                cost = (f", {row['snapshots_per_s']:.2f} snapshots/s of {row['snapshot_ms_median']:.3f} ms each in "
-                        f"the engine core ({100 * row['snapshot_share']:.3f}% of the run)") if row["snapshots"] else ""
-                print(f"round {r} {'watched  ' if watched else 'unwatched'}: {row['output_tokens']} tokens in "
-                      f"{row['seconds']:.2f} s = {row['tokens_per_s']:,.1f} tok/s, {row['steps_per_s']:.1f} steps/s{cost}")
+        for i, watched in enumerate([False, True] * args.rounds + [False]):   # the last unwatched run closes it
+            r = i // 2
+            bodies = workload(args, allowed, run=len(runs))
+            runs.append({"round": r, "watched": watched, **asyncio.run(run_once(server, bodies, watched))})
+            row = runs[-1]
+            cost = (f", {row['snapshots_per_s']:.2f} snapshots/s of {row['snapshot_ms_median']:.3f} ms each in "
+                    f"the engine core ({100 * row['snapshot_share']:.3f}% of the run)") if row["snapshots"] else ""
+            print(f"round {r} {'watched  ' if watched else 'unwatched'}: {row['output_tokens']} tokens in "
+                  f"{row['seconds']:.2f} s = {row['tokens_per_s']:,.1f} tok/s, {row['steps_per_s']:.1f} steps/s{cost}")
         info = server.engine.info
     finally:
         server.stop()
-    ratios = [watched["tokens_per_s"] / unwatched["tokens_per_s"] for unwatched, watched in zip(runs[::2], runs[1::2])]
+    plain = [row["tokens_per_s"] for row in runs if not row["watched"]]
+    seen = [row["tokens_per_s"] for row in runs if row["watched"]]
+    ratios = [w / ((before + after) / 2) for w, before, after in zip(seen, plain, plain[1:])]
     ratio = statistics.median(ratios)
     shares = [row["snapshot_share"] for row in runs if row["snapshots"]]
     share = statistics.median(shares) if shares else None
