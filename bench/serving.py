@@ -8,12 +8,14 @@ tokens/s that `LLM.generate` reaches on the same machine, model, prompts and bat
      --output-len tokens: greedy, with vLLM's `ignore_eos` so that no request stops early;
   2. the server, started as a subprocess on a free port, ready once GET /health answers 200, then warmed up;
      beside it, an `LLM` in this process (the offline engine, same limits and pool size), warmed up too;
-  3. --rounds rounds, each: per mode (stream, then no-stream, on the same server) the requests go out
+  3. one offline run (prompts of the same lengths through `LLM.generate` while the server idles), then
+     --rounds rounds, each: per mode (stream, then no-stream, on the same server) the requests go out
      from --client-processes processes, each an asyncio loop with httpx, at most --concurrency in flight
      in all (or arriving as a Poisson process of --request-rate per second, as vLLM's), each request
-     timed; then prompts of the same lengths through `LLM.generate` while the server idles: the
-     denominator. Interleaving matters: on a shared machine the same engine's throughput drifts by tens
-     of percent over minutes, and a ratio of two runs far apart measures the drift;
+     timed; then another offline run. The denominator of a round is the mean of the offline runs before
+     and after it. Interleaving matters: on a shared machine the same engine's throughput drifts by tens
+     of percent over minutes, and a ratio of two runs far apart measures the drift; bracketing cancels a
+     drift that is steady over the round;
   4. the server stopped (SIGINT to its process group, then kill);
   5. the median round's table, the ratio per round and its median, and
      bench/results/serving-<model>-<device>-<time>.json (or --out).
@@ -429,13 +431,15 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
-def print_table(title: str, rows: dict[str, dict], offline: dict) -> None:
-    print(f"\n{title}\n{'':10} {'requests':>8} {'errors':>6} {'seconds':>8} {'req/s':>8} {'out tok/s':>10} "
+def print_table(title: str, rows: dict[str, dict], before: dict, after: dict) -> None:
+    """The HTTP rows and the offline runs before and after them; '/ offline' divides by those two's mean."""
+    offline = (before["output_throughput"] + after["output_throughput"]) / 2
+    print(f"\n{title}\n{'':14} {'requests':>8} {'errors':>6} {'seconds':>8} {'req/s':>8} {'out tok/s':>10} "
           f"{'/ offline':>9}")
-    for name, row in {**rows, "offline": offline}.items():
-        ratio = row["output_throughput"] / offline["output_throughput"]
-        print(f"{name:10} {row['requests']:>8} {row.get('errors', '-'):>6} {row['duration_s']:>8.2f} "
-              f"{row['request_throughput']:>8.2f} {row['output_throughput']:>10,.1f} {ratio:>9.3f}")
+    for name, row in {**rows, "offline before": before, "offline after": after}.items():
+        print(f"{name:14} {row['requests']:>8} {row.get('errors', '-'):>6} {row['duration_s']:>8.2f} "
+              f"{row['request_throughput']:>8.2f} {row['output_throughput']:>10,.1f} "
+              f"{row['output_throughput'] / offline:>9.3f}")
     print(f"{'ms':20} {'mean':>9} {'median':>9} {'p99':>9}")
     for mode, row in rows.items():
         for metric in ("ttft", "tpot", "itl", "latency"):
@@ -515,8 +519,9 @@ def main() -> None:
         return random_prompts(tokenizer, allowed, args.endpoint, lengths, outputs, rng)
 
     workloads = [{name: fresh() for name in [*modes, "offline"]} for _ in range(args.rounds)]
+    opening = fresh()   # an offline run before the first round: every HTTP run then has one before and after it
     max_model_len = args.max_model_len or max(
-        len(i) for w in workloads for p in w.values() for i in p.ids) + args.output_len
+        len(i) for w in workloads for p in [*w.values(), opening] for i in p.ids) + args.output_len
     max_num_seqs = args.max_num_seqs or min(args.concurrency, 256)   # both sides batch the same at most
     num_blocks = args.num_blocks or pool_blocks_for(max_model_len, max_num_seqs)
     warmup = warmup_prompts(tokenizer, allowed, args, min(max_num_seqs, args.concurrency, args.num_requests),
@@ -529,16 +534,20 @@ def main() -> None:
         llm = offline_engine(args, device, max_model_len, max_num_seqs, num_blocks)   # beside the idle server
         generate(llm, warmup)
         arrivals = np.random.default_rng([args.seed, 1])   # seeded, apart from the prompts
+        before = run_offline(llm, opening)
         for r, workload in enumerate(workloads):   # interleaved: a drift of the machine hits both sides alike
             print(f"round {r + 1} of {args.rounds}")
             rows = {mode: run_mode(args, url, model, mode, workload[mode], ignore_eos, arrivals, group) for mode in modes}
-            rounds.append(rows | {"offline": run_offline(llm, workload["offline"])})
-    per_round = {mode: [row[mode]["output_throughput"] / row["offline"]["output_throughput"] for row in rounds]
-                 for mode in modes}
+            rounds.append(rows | {"offline_before": before, "offline": run_offline(llm, workload["offline"])})
+            before = rounds[-1]["offline"]
+    # each round's HTTP runs against the mean of the offline runs just before and after them: a steady drift cancels
+    per_round = {mode: [2 * row[mode]["output_throughput"] /
+                        (row["offline_before"]["output_throughput"] + row["offline"]["output_throughput"])
+                        for row in rounds] for mode in modes}
     ratios = {mode: float(np.median(r)) for mode, r in per_round.items()}
     for mode in modes:
-        print_table(f"{mode}, median round", {mode: median_round(rounds, per_round[mode])[mode]},
-                    median_round(rounds, per_round[mode])["offline"])
+        middle = median_round(rounds, per_round[mode])
+        print_table(f"{mode}, median round", {mode: middle[mode]}, middle["offline_before"], middle["offline"])
     print(f"\nHTTP / offline output tok/s, per round: "
           f"{'; '.join(f'{m} ' + ' '.join(f'{x:.3f}' for x in r) for m, r in per_round.items())}")
     print(f"median of {args.rounds}: {', '.join(f'{m} {r:.3f}' for m, r in ratios.items())} (target >= {TARGET})")
