@@ -231,8 +231,9 @@ def chunk_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
                     start: int, out: np.ndarray, num_heads: int) -> None:
     """A chunk of one sequence's prompt (chapter 7): row i of qkv is the query at position start + i, and
     attends causally to the sequence's keys 0 .. start + i, read through its block table (the chunk's own
-    K/V were stored there first). On the GPU, paged_attention with one row per query (lengths start + i + 1);
-    here the same sums over a gathered context, 512 queries at a time to bound the scores' memory."""
+    K/V were stored there first). On the GPU, the prefill kernel's chunk_attention (kernels/prefill_attention.cu,
+    keys read through the block table); here the same sums over a gathered context, 512 queries at a time to
+    bound the scores' memory."""
     T, (_, kv_heads, head_dim) = qkv.shape[0], k_cache.shape
     group, t = num_heads // kv_heads, np.arange(start + T)
     slots = block_table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
