@@ -105,27 +105,27 @@ class EngineCore:
         self.names: dict[int, str] = {}              # sequence id -> request id
         self.sent: dict[str, int] = {}               # request id -> tokens already reported
         self.steps, self.started, self.parent = 0, time.perf_counter(), os.getppid()
+        self.busy = self.idle = 0.0                  # seconds in steps, and waiting for work
         self.queries = self.hits = 0                 # prefix cache: tokens admitted, tokens found cached
         self.snapshot_asked = False                  # a live page watches: the next Report carries a snapshot
 
     def run(self) -> None:
         """Until told to stop (None; SIGTERM from api_servers.py's supervisor) or orphaned; then one log line
         of where the time went: in steps, in between (commands in, reports out), idle."""
-        busy, idle = [0.0], [0.0]
         try:
-            self._loop(busy, idle)
+            self._loop()
         finally:
-            log.info("%d steps: %.2f s in steps, %.2f s in between, %.2f s idle", self.steps, busy[0],
-                     time.perf_counter() - self.started - busy[0] - idle[0], idle[0])
+            log.info("%d steps: %.2f s in steps, %.2f s in between, %.2f s idle", self.steps, self.busy,
+                     time.perf_counter() - self.started - self.busy - self.idle, self.idle)
 
-    def _loop(self, busy: list[float], idle: list[float]) -> None:
+    def _loop(self) -> None:
         while True:
             updates: list[Update] = []
             was_idle = not self.engine.has_work() and not self.deferred   # a sample 0 done at once frees its siblings
             while was_idle:                                         # idle: sleep until a command arrives
                 start = time.perf_counter()
                 arrived = self.commands.poll(POLL_MS)
-                idle[0] += time.perf_counter() - start
+                self.idle += time.perf_counter() - start
                 if arrived:
                     break
                 if os.getppid() != self.parent:                     # the API server is gone: so are we
@@ -139,15 +139,17 @@ class EngineCore:
                 self._apply(command, updates)
             stepping = time.perf_counter()
             step = self._step(updates) if self.engine.has_work() else None
-            busy[0] += time.perf_counter() - stepping
+            self.busy += time.perf_counter() - stepping
             snapshot = self._snapshot() if self.snapshot_asked else None   # nobody watching: this `if` is all
             self._report(updates, step, snapshot)
 
     def _report(self, updates: list[Update], step: dict | None, snapshot: dict | None) -> None:
         """Each API server gets its own requests' updates, and the step, the stats and the snapshot."""
         stats, tokens = self.stats(), sum(len(update.token_ids) for update in updates)
-        routed = [updates] if len(self.reports) == 1 else [[] for _ in self.reports]
-        if len(self.reports) > 1:
+        if len(self.reports) == 1:
+            routed = [updates]                       # one API server: nothing to sort
+        else:
+            routed = [[] for _ in self.reports]
             for update in updates:
                 routed[self.client_of.get(update.request_id, 0)].append(update)
         for socket, mine in zip(self.reports, routed):

@@ -27,7 +27,7 @@ from queue import Empty
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.engine_core import (READY_TIMEOUT_S, Attachment, engine_addresses, one_line,
                                          start_engine_process)
-from tinyvllm.entrypoints.server import Server, announce, listen, url_of
+from tinyvllm.entrypoints.server import Server, announce, cannot_listen, listen, url_of
 from tinyvllm.errors import TinyVLLMError
 
 CHECK_S = 0.5   # how often the supervisor looks whether every process still runs
@@ -83,7 +83,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise TinyVLLMError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port or --host") from None
+        raise cannot_listen(host, port, e) from None
     return sock
 
 

@@ -618,7 +618,11 @@ def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     try:
         return socket.create_server((host, port), reuse_port=reuse_port)
     except OSError as e:
-        raise TinyVLLMError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port or --host") from None
+        raise cannot_listen(host, port, e) from None
+
+
+def cannot_listen(host: str, port: int, e: OSError) -> TinyVLLMError:
+    return TinyVLLMError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port or --host")
 
 
 class Server:
