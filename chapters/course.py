@@ -1,6 +1,6 @@
 """`make course`: every chapter's checkpoint in order, stopping at the first one that fails.
 
-    python -m chapters.course                  # every chapter (1 .. 7, then 9: no chapter 8 yet) against the engine
+    python -m chapters.course                  # every chapter (1 .. 9) against the engine
     python -m chapters.course --impl student   # the same, with your exercises.py functions plugged in
 
 Each checkpoint runs in its own process (`python -m chapters N`), exactly as `make chapter-N` runs it,

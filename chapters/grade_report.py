@@ -26,11 +26,11 @@ from pathlib import Path
 from chapters.grading import IMPLS, chapter_numbers, exercises
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = tuple(chapter_numbers())  # no chapter 8 yet: 1 .. 7, then 9
+CHAPTERS = tuple(chapter_numbers())
 TOGETHER = "all together"  # the row of tests that exercise several of a chapter's functions at once
 
 # What each exercise is worth: the size of the idea, not the number of its grader cases. The CUDA C
-# exercises (3.2, 5.2) are graded on a GPU only. INSTRUCTORS.md lists the same table; tests/test_course.py
+# exercises (3.2, 5.2, 8.5) are graded on a GPU only. INSTRUCTORS.md lists the same table; tests/test_course.py
 # checks that the two agree and that every exercise has a weight.
 POINTS = {
     1: {"rms_norm": 2, "rope_inv_freq": 3, "apply_rope": 2, "softmax": 2, "attention": 4, TOGETHER: 2},
@@ -40,6 +40,8 @@ POINTS = {
     5: {"decode_attention": 6, "DECODE_ATTENTION_KERNEL_SOURCE": 8},
     6: {"BlockManager": 8, "slot_mapping": 3},
     7: {"admit": 8, "choose_victim": 2, TOGETHER: 2},
+    8: {"step_bytes": 3, "floor_ms": 1, "rms_norm_gemv_block": 4, "rms_norm_gemv_swiglu_block": 3,
+        "GEMV_ADD_KERNEL_SOURCE": 4, TOGETHER: 2},
     9: {"shard_weight": 5, "parallel_mlp": 4, TOGETHER: 2},
 }
 

@@ -27,7 +27,7 @@ def chapter_package(chapter: int) -> str:
 
 def chapter_numbers() -> list[int]:
     """The chapters that exist, in order: one per chapters/chNN_* package. Not 1 .. n: a chapter may be
-    missing (there is no chapter 8 yet)."""
+    missing."""
     return sorted(int(info.name[2:4]) for info in pkgutil.iter_modules(chapters.__path__)
                   if info.ispkg and info.name[:2] == "ch" and info.name[2:4].isdigit())
 

@@ -18,7 +18,7 @@ from chapters.figures import all_figures
 from chapters.grading import chapter_numbers, chapter_package, exercises
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = chapter_numbers()  # 1 .. 7 and 9: chapter 8 is not written yet
+CHAPTERS = chapter_numbers()  # 1 .. 9
 
 
 def slug(chapter: int) -> str:
