@@ -12,9 +12,6 @@ server over two ZeroMQ sockets —
 With several API-server processes (`serve --api-server-count N`, api_servers.py) each has its own pair of
 sockets; an Add names its process, and each step's Report to a process carries its requests' tokens only.
 
-Inside the engine process, two threads own the sockets: one unpickles commands into a queue, the other
-pickles and sends each step's Reports while the next step waits on the GPU; the loop itself only steps.
-
 The engine core does not detokenize token by token (the API side does, while the next step runs), except
 when stop strings need the text to decide where the output ends; its Update carries token ids. Nothing a request carries can
 stop this loop: a request that fails, fails alone (its Update carries the error), and the loop goes on.
@@ -25,7 +22,6 @@ import json
 import logging
 import os
 import pickle
-import queue
 import signal
 import subprocess
 import sys
@@ -112,26 +108,13 @@ class EngineCore:
         self.busy = self.idle = 0.0                  # seconds in steps, and waiting for work
         self.queries = self.hits = 0                 # prefix cache: tokens admitted, tokens found cached
         self.snapshot_asked = False                  # a live page watches: the next Report carries a snapshot
-        # The sockets belong to two threads (a ZeroMQ socket to one thread): pickling and sending run while the
-        # next step waits on the GPU (which releases the GIL), not between steps — vLLM's engine core does the same
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()    # commands, unpickled by the reader thread
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()   # (socket, Report) pairs for the writer thread
-        self.stopping = threading.Event()
 
     def run(self) -> None:
         """Until told to stop (None; SIGTERM from api_servers.py's supervisor) or orphaned; then one log line
         of where the time went: in steps, in between (commands in, reports out), idle."""
-        threads = [threading.Thread(target=target, name=f"tinyvllm-engine-{name}", daemon=True)
-                   for name, target in (("commands", self._read_commands), ("reports", self._write_reports))]
-        for thread in threads:
-            thread.start()
         try:
             self._loop()
         finally:
-            self.stopping.set()
-            self.outbox.put(None)
-            for thread in threads:
-                thread.join()
             log.info("%d steps: %.2f s in steps, %.2f s in between, %.2f s idle", self.steps, self.busy,
                      time.perf_counter() - self.started - self.busy - self.idle, self.idle)
 
@@ -139,18 +122,16 @@ class EngineCore:
         while True:
             updates: list[Update] = []
             was_idle = not self.engine.has_work() and not self.deferred   # a sample 0 done at once frees its siblings
-            commands = []
-            while was_idle and not commands:                        # idle: sleep until a command arrives
+            while was_idle:                                         # idle: sleep until a command arrives
                 start = time.perf_counter()
-                try:
-                    commands.append(self.inbox.get(timeout=POLL_MS / 1000))
-                except queue.Empty:
-                    if os.getppid() != self.parent:                 # the API server is gone: so are we
-                        return log.warning("the API server process is gone; the engine stops")
+                arrived = self.commands.poll(POLL_MS)
                 self.idle += time.perf_counter() - start
-            while not self.inbox.empty():
-                commands.append(self.inbox.get())
-            for command in commands:
+                if arrived:
+                    break
+                if os.getppid() != self.parent:                     # the API server is gone: so are we
+                    return log.warning("the API server process is gone; the engine stops")
+            while self.commands.poll(0):
+                command = pickle.loads(self.commands.recv())
                 if command is None:
                     return
                 self._apply(command, updates)
@@ -172,25 +153,10 @@ class EngineCore:
             for update in updates:
                 routed[self.client_of.get(update.request_id, 0)].append(update)
         for socket, mine in zip(self.reports, routed):
-            self.outbox.put((socket, Report(mine, stats, step, snapshot, tokens)))
+            socket.send(pickle.dumps(Report(mine, stats, step, snapshot, tokens), pickle.HIGHEST_PROTOCOL))
         for update in updates:
             if update.finish_reason is not None:
                 self.client_of.pop(update.request_id, None)
-
-    def _read_commands(self) -> None:
-        """The reader thread: every command, unpickled, into the inbox; None (shut down) ends it."""
-        while not self.stopping.is_set():
-            if self.commands.poll(POLL_MS):
-                command = pickle.loads(self.commands.recv())
-                self.inbox.put(command)
-                if command is None:
-                    return
-
-    def _write_reports(self) -> None:
-        """The writer thread: each Report pickled and sent, in order, until None."""
-        while (item := self.outbox.get()) is not None:
-            socket, report = item
-            socket.send(pickle.dumps(report, pickle.HIGHEST_PROTOCOL))
 
     def _apply(self, command: Add | Abort | Snapshot, updates: list[Update]) -> None:
         if isinstance(command, Snapshot):
