@@ -1,17 +1,27 @@
-"""Decode speed on the GPU, batch 1: a synthetic Llama-3.2-1B checkpoint, a 512-token context, eager mode.
+"""Decode speed against the memory-bandwidth floor: a synthetic Llama-3.2-1B checkpoint, a 512-token context.
 
 One decode step reads every weight once (plus the context's K/V), so its floor is
 
     (weight bytes + KV bytes read) / copy bandwidth measured in the same run.
 
-Reports ms per token (decode step + greedy sampling, until the id is on the host) against that floor,
-where the step's time goes — the GPU time of the step with its kernels queued back to back (behind
-op_timer.hold_gpu), per op, and the rest: launch gaps, the host launching ~150 kernels one by one,
-which chapter 7's CUDA graphs remove — the same step in the batch-invariant mode (chapter 7: its
-`batch_invariant` field), and HF transformers (bf16, its KV cache) decoding on the same weights and
-context. Writes bench/results/decode-<time>.json.
+Batch 1, eager (one launch at a time from Python), contiguous cache: ms per token (decode step + greedy
+sampling, until the id is on the host) against that floor, and where the step's time goes — the GPU time of the
+step with its kernels queued back to back (behind op_timer.hold_gpu), per op, and the rest: launch gaps, the host
+launching the kernels one by one, which chapter 7's CUDA graphs remove. The top-level fields are the unfused
+layer's (model.fused_decode = False: chapters 3-7); `fused` holds the same for chapter 8's fused layer, with a
+per-kernel table: bytes each kernel moves / its time / the copy bandwidth. Also the same step in the
+batch-invariant mode (chapter 7: its `batch_invariant` field, always unfused) and HF transformers (bf16, its KV
+cache) on the same weights and context.
 
-    python bench/decode.py [--model DIR] [--context 512] [--steps 64]
+Then `batches`: at batch 1, 8 and 64 (--batches), the paged pool at the same context per sequence, one CUDA graph
+replay per step (eager on the CPU): ms per step (= per token of each sequence) fused and unfused, the floor and
+x the floor, and the backend op calls per step (one kernel launch each; paged attention adds a merge kernel in the
+layers where it splits a context; above GEMV_MAX_ROWS rows both modes run the unfused layer).
+
+On the CPU (--device cpu: NumPy, no graphs, no transformers) the same figures, as a smoke test with a small
+--model. Writes bench/results/decode-<time>.json (decode-cpu-<time>.json on the CPU).
+
+    python bench/decode.py [--model DIR] [--device cuda] [--context 512] [--steps 64] [--batches 1,8,64]
 """
 from __future__ import annotations
 
@@ -26,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.gpu_common import copy_bandwidth, machine, write_result  # noqa: E402
+from bench.gpu_common import write_result  # noqa: E402
+from tinyvllm.model.op_timer import OpTimer, timed_ops  # noqa: E402
 
 
 def weight_bytes_per_step(model) -> int:
@@ -39,21 +50,97 @@ def kv_bytes_per_step(cfg, context: int) -> int:
     return 2 * cfg.num_hidden_layers * context * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
 
 
-def tinyvllm_ms_per_token(model, context: int, steps: int) -> tuple[float, float, dict]:
-    """At `context` cached tokens: median ms per decode step + greedy sample; the GPU time of one step with
-    its kernels run back to back (no launch gaps); that step's seconds per op."""
-    import cupy as cp
+def floor_ms(model, context: int, batch: int, bandwidth: float) -> float:
+    """The step's floor: every weight once, and each sequence's K/V."""
+    return 1e3 * (weight_bytes_per_step(model) + batch * kv_bytes_per_step(model.cfg, context)) / bandwidth
 
+
+def synchronize(model) -> None:
+    if model.device == "cuda":
+        model.ops.xp.cuda.get_current_stream().synchronize()
+
+
+# ---------------------------------------------------------------- bytes each op moves
+
+def op_bytes(name: str, args: tuple, context: int) -> int:
+    """The bytes an op must move at the least: each array argument read or written once, a residual it updates
+    twice, and of the tables it only indexes, the rows it touches: the embedding's rows, a cos and a sin row per
+    token, the K/V of `context` keys per row (attention) or the new slots (a store)."""
+    rows = len(args[0])
+    if name == "embedding":
+        ids, table, residual = args
+        return ids.nbytes + rows * table.shape[1] * table.itemsize + residual.nbytes
+    if name in ("decode_attention", "paged_attention"):
+        k_cache, out = args[1], args[5]
+        return rows * context * 2 * k_cache[0].size * k_cache.itemsize + 2 * out.nbytes   # K/V; Q in, out
+    if name == "rope":
+        qkv, _, _, _, heads, head_dim = args
+        return rows * (2 * heads * head_dim * qkv.itemsize + head_dim * 4)    # heads read and written; cos, sin
+    if name == "store_kv":
+        qkv, k_cache = args[0], args[1]
+        return rows * 4 * k_cache[0].size * qkv.itemsize                     # K and V read, then written
+    if name == "rope_store_kv":
+        qkv, heads, kv_heads, head_dim = args[0], *args[7:]
+        return rows * (2 * (heads + kv_heads) * head_dim + 3 * kv_heads * head_dim) * qkv.itemsize + rows * head_dim * 4
+    moved = sum(a.nbytes for a in args if hasattr(a, "nbytes"))
+    if name in ("gemv_add", "add_rms_norm"):                                # the residual: read, then written
+        moved += (args[2] if name == "gemv_add" else args[0]).nbytes
+    return moved
+
+
+class ByteCounter(OpTimer):
+    """OpTimer that also adds up each op's bytes (op_bytes)."""
+
+    def __init__(self, ops, context: int):
+        super().__init__(ops)
+        self.context, self.bytes = context, {}
+
+    def _timed(self, name: str, fn, args, kwargs):
+        self.bytes[name] = self.bytes.get(name, 0) + op_bytes(name, args, self.context)
+        return super()._timed(name, fn, args, kwargs)
+
+
+def kernel_table(model, step, context: int, bandwidth: float) -> list[dict]:
+    """One step's ops, each timed alone: calls, ms, bytes moved and bytes / time / copy bandwidth."""
+    counter, original = ByteCounter(model.ops, context), model.ops
+    hold(model)
+    model.ops = counter
+    try:
+        step()
+    finally:
+        model.ops = original
+    calls: dict[str, int] = {}
+    for name, _ in counter.calls:
+        calls[name] = calls.get(name, 0) + 1
+    rows = []
+    for name, seconds in counter.totals().items():
+        moved = counter.bytes[name]
+        rows.append({"op": name, "calls": calls[name], "ms": round(seconds * 1e3, 4), "bytes": moved,
+                     "gb_s": moved / seconds / 1e9, "of_copy_bandwidth": moved / seconds / bandwidth})
+    return rows
+
+
+def hold(model) -> None:
+    """On the GPU, queue what follows behind op_timer.hold_gpu(): the kernels then run back to back."""
+    if model.device == "cuda":
+        from tinyvllm.model.op_timer import hold_gpu
+        hold_gpu()
+
+
+# ---------------------------------------------------------------- batch 1, eager, contiguous cache
+
+def tinyvllm_ms_per_token(model, context: int, steps: int, bandwidth: float, table: bool = False) -> dict:
+    """At `context` cached tokens: median ms per decode step + greedy sample; the time of one step with its kernels
+    run back to back (no launch gaps); that step's ms per op; op calls per step; with `table`, kernel_table's rows."""
     from tinyvllm.engine.sampling import SamplingParams, sample
     from tinyvllm.model.decode import decode_step
     from tinyvllm.model.kv_pool import ContiguousKVCache
-    from tinyvllm.model.op_timer import hold_gpu, timed_ops
     from tinyvllm.model.prefill import prefill
     greedy, rng = SamplingParams(temperature=0), np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, context).tolist()
 
     def fresh_cache():
-        cache = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=context + steps + 16)
+        cache = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=context + steps + 32)
         logits, _ = prefill(model, ids, cache=cache)
         return cache, sample(logits, greedy, rng)
 
@@ -66,20 +153,99 @@ def tinyvllm_ms_per_token(model, context: int, steps: int) -> tuple[float, float
         start = time.perf_counter()
         token = sample(decode_step(model, [token], cache, [0])[0], greedy, rng)
         times.append(time.perf_counter() - start)
-    busy = []
-    for _ in range(5):  # the whole step queued behind hold_gpu(): kernels back to back
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        hold_gpu()
-        start.record()
-        decode_step(model, [token], cache, [0])
-        end.record()
-        end.synchronize()
-        busy.append(cp.cuda.get_elapsed_time(start, end))
-    hold_gpu()
+    busy = [back_to_back_ms(model, lambda: decode_step(model, [token], cache, [0])) for _ in range(5)]
+    hold(model)
     with timed_ops(model) as timer:
         decode_step(model, [token], cache, [0])
-    return 1e3 * statistics.median(times), statistics.median(busy), timer.totals()
+    ms, kernel_ms = 1e3 * statistics.median(times), statistics.median(busy)
+    result = {"ms_per_token": ms, "kernel_ms": kernel_ms, "launch_gaps_and_host_ms": ms - kernel_ms,
+              "op_calls_per_step": len(timer.calls),
+              "kernel_ms_by_op": {k: round(v * 1e3, 4) for k, v in timer.totals().items()}}
+    if table:  # the cache now holds about context + steps tokens
+        result["kernel_table"] = kernel_table(model, lambda: decode_step(model, [token], cache, [0]), context + steps,
+                                              bandwidth)
+    return result
 
+
+def back_to_back_ms(model, step) -> float:
+    """The step's time with its kernels queued behind hold_gpu (the GPU's clock); on the CPU, its wall time."""
+    if model.device != "cuda":
+        start = time.perf_counter()
+        step()
+        return 1e3 * (time.perf_counter() - start)
+    cp = model.ops.xp
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    hold(model)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end)
+
+
+def compare_fused(model, context: int, steps: int, bandwidth: float) -> tuple[dict, dict]:
+    """(unfused, fused): batch-1 eager figures of each layer, on the same model."""
+    model.fused_decode = False
+    unfused = tinyvllm_ms_per_token(model, context, steps, bandwidth)
+    model.fused_decode = True
+    fused = tinyvllm_ms_per_token(model, context, steps, bandwidth, table=True)
+    return unfused, fused
+
+
+# ---------------------------------------------------------------- batch 1 / 8 / 64, paged pool, CUDA graphs
+
+def ms_per_step(model, batch: int, context: int, steps: int) -> tuple[float, int]:
+    """(median ms of a decode step of `batch` sequences at `context` tokens each, op calls per step): one CUDA graph
+    replay per step on the GPU, decode_batch on the CPU. The pool's K/V are zeros: the time does not depend on them."""
+    from tinyvllm.engine.block_manager import BlockManager, plan_decode
+    from tinyvllm.model.decode import decode_batch
+    from tinyvllm.model.kv_pool import PagedKVPool, blocks_for
+    warmup = 3
+    num_blocks = batch * blocks_for(context + warmup + steps + 1)
+    blocks, pool = BlockManager(num_blocks), PagedKVPool(model.cfg, model.ops, num_blocks)
+    seqs, rng = list(range(batch)), np.random.default_rng(batch)
+    for s in seqs:
+        blocks.allocate(s, context)
+    if model.device == "cuda":
+        from tinyvllm.model.cuda_graphs import GraphedDecode
+        run = GraphedDecode(model, pool, max_num_seqs=batch)
+    else:
+        def run(plan):
+            return decode_batch(model, pool, plan)
+
+    def step():
+        plan = plan_decode(blocks, seqs, rng.integers(0, model.cfg.vocab_size, batch).tolist())
+        start = time.perf_counter()
+        run(plan)
+        synchronize(model)
+        return time.perf_counter() - start
+
+    for _ in range(warmup):  # the first captures the graph
+        step()
+    times = [step() for _ in range(steps)]
+    with timed_ops(model) as timer:  # one eager step, its ops counted
+        decode_batch(model, pool, plan_decode(blocks, seqs, [0] * batch))
+    return 1e3 * statistics.median(times), len(timer.calls)
+
+
+def batch_sweep(model, batches: list[int], context: int, steps: int, bandwidth: float) -> list[dict]:
+    rows = []
+    for batch in batches:
+        floor = floor_ms(model, context, batch, bandwidth)
+        row = {"batch": batch, "floor_ms": floor}
+        for fused in (True, False):
+            model.fused_decode = fused
+            ms, calls = ms_per_step(model, batch, context, steps)
+            row["fused" if fused else "unfused"] = {"ms_per_token": ms, "ratio_to_floor": ms / floor,
+                                                    "op_calls_per_step": calls}
+        model.fused_decode = True
+        rows.append(row)
+        if model.device == "cuda":
+            model.ops.free_cached_memory()
+    return rows
+
+
+# ---------------------------------------------------------------- transformers
 
 def transformers_ms_per_token(model_dir: Path, context: int, steps: int) -> float:
     import torch
@@ -104,44 +270,87 @@ def transformers_ms_per_token(model_dir: Path, context: int, steps: int) -> floa
     return 1e3 * statistics.median(times)
 
 
-def main() -> None:
+# ---------------------------------------------------------------- the run
+
+def measure_machine(device: str) -> tuple[dict, float]:
+    """(the machine, its copy bandwidth in bytes/s): the GPU's device-to-device copy, or NumPy's on the CPU."""
+    if device == "cuda":
+        from bench.gpu_common import copy_bandwidth, machine
+    else:
+        from bench.cpu_decode import copy_bandwidth, machine
+    return machine(), copy_bandwidth()
+
+
+def report(result: dict) -> None:
+    floor = result["floor_ms"]
+    print(f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s; a step reads "
+          f"{result['bytes_per_step'] / 1e9:.3f} GB -> floor {floor:.3f} ms")
+    for name, r in (("unfused", result), ("fused", result["fused"])):
+        print(f"tinyvllm eager, {name}: {r['ms_per_token']:.3f} ms/token = {r['ms_per_token'] / floor:.2f}x the floor; "
+              f"kernels {r['kernel_ms']:.3f} ms ({r['kernel_ms'] / floor:.2f}x the floor), launch gaps and host "
+              f"{r['launch_gaps_and_host_ms']:.3f} ms; {r['op_calls_per_step']} op calls per step")
+        for op, ms in r["kernel_ms_by_op"].items():
+            print(f"    {op:<22} {ms:8.3f} ms")
+    print("    (timing each op on its own adds a little to its time)")
+    print("the fused step, op by op: bytes moved / time / copy bandwidth")
+    for row in result["fused"]["kernel_table"]:
+        print(f"    {row['op']:<22} {row['calls']:4d} calls {row['ms']:8.3f} ms {row['bytes'] / 1e6:10.2f} MB "
+              f"{row['gb_s']:8.0f} GB/s {100 * row['of_copy_bandwidth']:5.1f}%")
+    print(f"batch sweep ({result['batches_mode']}, context {result['context']} per sequence): ms per step")
+    for row in result["batches"]:
+        cells = "  ".join(f"{mode} {row[mode]['ms_per_token']:.3f} ({row[mode]['ratio_to_floor']:.2f}x, "
+                          f"{row[mode]['op_calls_per_step']} op calls)" for mode in ("fused", "unfused"))
+        print(f"    batch {row['batch']:3d}: floor {row['floor_ms']:.3f}  {cells}")
+    invariant = result["batch_invariant"]
+    print(f"batch-invariant mode (chapter 7): {invariant['ms_per_token']:.3f} ms/token, "
+          f"{invariant['over_default']:.2f}x the default (fused) layer")
+    if result["transformers_ms_per_token"] is not None:
+        print(f"transformers (bf16, KV cache): {result['transformers_ms_per_token']:.3f} ms/token -> tinyvllm (fused) "
+              f"is {result['speedup_vs_transformers']:.2f}x faster")
+
+
+def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="a Llama checkpoint dir (default: a synthetic Llama-3.2-1B)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
-    args = parser.parse_args()
+    parser.add_argument("--batches", default="1,8,64", help="batch sizes of the sweep, comma-separated")
+    args = parser.parse_args(argv)
     from tinyvllm.formats.checkpoints import synth_model
     from tinyvllm.model.model import Model
 
+    batches = [int(b) for b in args.batches.split(",")]
     model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
-    model = Model(model_dir, device="cuda", max_step_tokens=args.context)
-    bandwidth = copy_bandwidth()
+    model = Model(model_dir, device=args.device, max_step_tokens=max(args.context, *batches))
+    cfg = model.cfg
+    machine, bandwidth = measure_machine(args.device)
     step_bytes = weight_bytes_per_step(model) + kv_bytes_per_step(model.cfg, args.context)
-    floor_ms = 1e3 * step_bytes / bandwidth
-    ms, kernel_ms, kernels = tinyvllm_ms_per_token(model, args.context, args.steps)
-    invariant = Model(model_dir, device="cuda", max_step_tokens=args.context, batch_invariant=True)
-    invariant_ms, invariant_kernel_ms, _ = tinyvllm_ms_per_token(invariant, args.context, args.steps)
+    floor = floor_ms(model, args.context, 1, bandwidth)
+    unfused, fused = compare_fused(model, args.context, args.steps, bandwidth)
+    batches_rows = batch_sweep(model, batches, args.context, args.steps, bandwidth)
+    del model
+    invariant = Model(model_dir, device=args.device, max_step_tokens=args.context, batch_invariant=True)
+    invariant_run = tinyvllm_ms_per_token(invariant, args.context, args.steps, bandwidth)
     del invariant
-    hf_ms = transformers_ms_per_token(model_dir, args.context, args.steps)
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; a step reads {step_bytes / 1e9:.3f} GB -> floor {floor_ms:.3f} ms")
-    print(f"tinyvllm eager: {ms:.3f} ms/token = {ms / floor_ms:.2f}x the floor; kernels {kernel_ms:.3f} ms "
-          f"({kernel_ms / floor_ms:.2f}x the floor), launch gaps and host {ms - kernel_ms:.3f} ms")
-    for name, s in kernels.items():
-        print(f"    {name:<18} {s * 1e3:8.3f} ms")
-    print(f"    (sum over ops {1e3 * sum(kernels.values()):.3f} ms: each op's pair of CUDA events adds a little)")
-    print(f"batch-invariant mode (chapter 7): {invariant_ms:.3f} ms/token, {invariant_ms / ms:.2f}x the default")
-    print(f"transformers (bf16, KV cache): {hf_ms:.3f} ms/token -> tinyvllm is {hf_ms / ms:.2f}x faster")
-    result = {"benchmark": "decode", "machine": machine(), "model": str(model_dir), "config": vars(model.cfg),
+    hf_ms = transformers_ms_per_token(model_dir, args.context, args.steps) if args.device == "cuda" else None
+    ms = fused["ms_per_token"]
+    result = {"benchmark": "decode", "machine": machine, "model": str(model_dir), "config": vars(cfg),
+              "device": args.device,
               "batch": 1, "context": args.context, "steps": args.steps, "mode": "eager",
-              "copy_bandwidth_gb_s": bandwidth / 1e9, "bytes_per_step": step_bytes, "floor_ms": floor_ms,
-              "ms_per_token": ms, "ratio_to_floor": ms / floor_ms,
-              "kernel_ms": kernel_ms, "kernel_ratio_to_floor": kernel_ms / floor_ms,
-              "launch_gaps_and_host_ms": ms - kernel_ms,
-              "kernel_ms_by_op": {k: round(v * 1e3, 4) for k, v in kernels.items()},
-              "transformers_ms_per_token": hf_ms, "speedup_vs_transformers": hf_ms / ms,
-              "batch_invariant": {"ms_per_token": invariant_ms, "over_default": invariant_ms / ms,
-                                  "kernel_ms": invariant_kernel_ms}}
-    print("wrote", write_result("decode", result))
+              "copy_bandwidth_gb_s": bandwidth / 1e9, "bytes_per_step": step_bytes, "floor_ms": floor,
+              **unfused, "ratio_to_floor": unfused["ms_per_token"] / floor,
+              "kernel_ratio_to_floor": unfused["kernel_ms"] / floor,
+              "fused": {**fused, "ratio_to_floor": ms / floor, "kernel_ratio_to_floor": fused["kernel_ms"] / floor},
+              "batches_mode": "cuda_graphs" if args.device == "cuda" else "eager", "batches": batches_rows,
+              "transformers_ms_per_token": hf_ms, "speedup_vs_transformers": hf_ms / ms if hf_ms else None,
+              "batch_invariant": {"ms_per_token": invariant_run["ms_per_token"],
+                                  "over_default": invariant_run["ms_per_token"] / ms,
+                                  "kernel_ms": invariant_run["kernel_ms"]}}
+    report(result)
+    path = write_result("decode" if args.device == "cuda" else "decode-cpu", result)
+    print("wrote", path)
+    return path
 
 
 if __name__ == "__main__":

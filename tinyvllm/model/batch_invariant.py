@@ -22,19 +22,27 @@ The NumPy twins have their own orders (tests/test_batch_invariance.py found them
 gemv, which sums otherwise than its GEMM (`gemm_invariant` pads it to two), and the whole-prompt attention
 groups a row's sums by the prompt's length (`prefill_attention_invariant` and `chunk_attention_invariant`
 attend one query at a time, as a decode query does). Every backend provides the `_invariant` forms.
+
+Chapter 8's fused decode kernels are withheld: they run only up to GEMV_MAX_ROWS rows, so a sequence would switch
+between them and the unfused layer as its batch grows, and nothing makes the two sum alike (the fused norm's
+block reduction matches add_rms_norm's only while their block sizes agree). The mode keeps the unfused layer.
 """
 from __future__ import annotations
 
 from types import ModuleType
 
+from tinyvllm.model.fused import FUSED_OPS
+
 
 class BatchInvariantOps:
-    """A backend module with gemm and paged_attention replaced by their batch-invariant forms; every
-    other operation is the module's own."""
+    """A backend module with gemm and the attention ops replaced by their batch-invariant forms and without the
+    fused decode ops (decode then takes the unfused layer); every other operation is the module's own."""
     def __init__(self, ops: ModuleType):
         self._ops = ops
 
     def __getattr__(self, name: str):
+        if name in FUSED_OPS:
+            raise AttributeError(f"the batch-invariant mode has no {name}: its decode runs the unfused layer")
         return getattr(self._ops, name)
 
     def gemm(self, x, w, out) -> None:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from tinyvllm.model.decode import decode_rows
 from tinyvllm.model.kv_pool import BLOCK_SIZE, PagedKVPool, blocks_for
-from tinyvllm.model.model import Model, final_logits, run_layers
+from tinyvllm.model.model import Model
 from tinyvllm.model.step_plan import SeqStep
 
 
@@ -113,5 +114,5 @@ class GraphedDecode:
         def attend(layer: int, qkv, attn) -> None:
             ops.paged_attention(qkv, pool.k[layer], pool.v[layer], tables, lengths, attn, H)
 
-        residual, delta = run_layers(model, self.ids[:size], self.positions[:size], self.slots[:size], pool, attend)
-        final_logits(model, residual, delta, slice(0, size), out=self.logits[:size])
+        decode_rows(model, self.ids[:size], self.positions[:size], self.slots[:size], pool, attend,
+                    out=self.logits[:size])  # the fused layer (chapter 8) for buckets of up to GEMV_MAX_ROWS rows

@@ -11,11 +11,16 @@ sequence's position, and attention reads the new query against the pool instead 
 
     residual --add_rms_norm--> normed --gemm--> qkv --rope(positions)--> qkv --store_kv--> pool
     --decode_attention(pool)--> attn_out --gemm--> delta ... (the MLP as in prefill)
+
+Chapter 8: a step of up to GEMV_MAX_ROWS rows runs the same layer in fewer, fatter kernels instead
+(fused.py), unless model.fused_decode is off or the backend does not offer them (the batch-invariant mode).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from tinyvllm.model.backend.constants import GEMV_MAX_ROWS
+from tinyvllm.model.fused import final_logits_fused, offers_fused_ops, run_layers_fused
 from tinyvllm.model.model import Model, final_logits, run_layers
 from tinyvllm.model.step_plan import SeqStep
 
@@ -32,8 +37,23 @@ def decode_batch(model: Model, pool, steps: list[SeqStep]):
     def attend(layer: int, qkv, attn) -> None:
         attention(qkv, pool.k[layer], pool.v[layer], *where, attn, H)
 
+    return decode_rows(model, ids, positions, slots, pool, attend)
+
+
+def uses_fused_layer(model: Model, rows: int) -> bool:
+    """Whether a decode step of `rows` rows runs chapter 8's fused layer: up to GEMV_MAX_ROWS rows (the gemv range),
+    model.fused_decode on, and a backend that offers the fused kernels (the batch-invariant mode does not)."""
+    return model.fused_decode and rows <= GEMV_MAX_ROWS and offers_fused_ops(model.ops)
+
+
+def decode_rows(model: Model, ids, positions, slots, pool, attend, out=None):
+    """The forward pass of a decode step's rows (device arrays ids, positions, slots), fused or not; returns the
+    logits (rows, vocab) fp32, into `out` if given. decode_batch and the CUDA graphs (cuda_graphs.py) both run it."""
+    rows = slice(0, len(ids))
+    if uses_fused_layer(model, len(ids)):
+        return final_logits_fused(model, run_layers_fused(model, ids, positions, slots, pool, attend), rows, out)
     residual, delta = run_layers(model, ids, positions, slots, pool, attend)
-    return final_logits(model, residual, delta, slice(0, len(steps)))
+    return final_logits(model, residual, delta, rows, out=out)
 
 
 def decode_step(model: Model, tokens: list[int], cache, seqs: list[int]):

@@ -19,8 +19,9 @@ STORE_KV_THREADS = 128  # 8 bf16 each: 1024 K (and V) columns in one pass, 8 K/V
 
 # Prefill attention (chapter 3): PREFILL_TILE query rows per block, PREFILL_KEY_TILE keys per K/V tile
 PREFILL_TILE = 128  # 8 warps x 16 rows (the m16n8k16 tile): each K/V tile loaded serves 128 queries
-PREFILL_KEY_TILE = 64  # keys per tile: a warp's scores stay 64 registers; Q + K + V at d 128: 69 KiB smem
+PREFILL_KEY_TILE = 64  # keys per tile: a warp's scores stay 64 registers; Q + 2 x (K + V) at d 128: 102 KiB smem
 PREFILL_THREADS = 256  # one warp per 16 query rows of the tile: PREFILL_TILE / 16 warps
+PREFILL_KV_STAGES = 2  # K/V tiles in flight: cp.async fills one stage while the warps compute on the other
 PREFILL_SMEM_PAD = 8  # bf16 per shared-memory row past head_dim: a warp's 8 rows land in different banks
 PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # prefill_attention.cu instantiates one kernel for each (ATTENTION_KERNEL)
 
@@ -34,6 +35,13 @@ MAX_SPLITS = 16  # ... into at most this many parts: batch 1 x 8 K/V heads x 16 
 GEMV_MAX_ROWS = 8  # gemm uses gemv up to this many rows (decode at small batch); a thread keeps one sum per row
 GEMV_COLUMNS_PER_BLOCK = 8  # one output column per warp
 GEMV_THREADS = 256  # GEMV_COLUMNS_PER_BLOCK warps of 32
+GEMV_LOADS = 4  # 16-byte weight loads a lane issues before using any (chapter 8): 4 beat 8 and 16 on an H200
+
+# The fused decode layer (chapter 8, kernels/fused_decode.cu): gemv with its neighbours folded in, up to
+# GEMV_MAX_ROWS rows. Its norm kernels start at most this many blocks per SM (also their __launch_bounds__ minimum,
+# which caps a thread's registers so that they fit) and each block walks many columns: the rows are normalized
+# once per block (1 to 4 blocks per SM measured alike on an H200)
+FUSED_BLOCKS_PER_SM = 2
 
 
 def decode_thread_groups(head_dim: int) -> int:
@@ -53,11 +61,14 @@ KERNEL_CONSTANTS = {
     "PREFILL_TILE": PREFILL_TILE,
     "PREFILL_KEY_TILE": PREFILL_KEY_TILE,
     "PREFILL_THREADS": PREFILL_THREADS,
+    "PREFILL_KV_STAGES": PREFILL_KV_STAGES,
     "PREFILL_SMEM_PAD": PREFILL_SMEM_PAD,
     "DECODE_THREADS": DECODE_THREADS,
     "GEMV_MAX_ROWS": GEMV_MAX_ROWS,
     "GEMV_COLUMNS_PER_BLOCK": GEMV_COLUMNS_PER_BLOCK,
     "GEMV_THREADS": GEMV_THREADS,
+    "GEMV_LOADS": GEMV_LOADS,
+    "FUSED_BLOCKS_PER_SM": FUSED_BLOCKS_PER_SM,
 }
 
 

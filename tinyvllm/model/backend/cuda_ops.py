@@ -16,12 +16,14 @@ from tinyvllm.model.backend.constants import (
     BF16_PER_VECTOR,
     DECODE_HEAD_DIMS,
     DECODE_THREADS,
+    FUSED_BLOCKS_PER_SM,
     GEMV_COLUMNS_PER_BLOCK,
     GEMV_MAX_ROWS,
     GEMV_THREADS,
     MAX_SPLITS,
     PREFILL_HEAD_DIMS,
     PREFILL_KEY_TILE,
+    PREFILL_KV_STAGES,
     PREFILL_SMEM_PAD,
     PREFILL_THREADS,
     PREFILL_TILE,
@@ -77,6 +79,70 @@ def gemm_invariant(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
         (x, w, out, np.int32(T), np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
 
 
+# ---- chapter 8: the fused decode layer (kernels/fused_decode.cu), up to GEMV_MAX_ROWS rows
+
+def rms_norm_gemv(residual: cp.ndarray, norm_weight: cp.ndarray, w: cp.ndarray, out: cp.ndarray, eps: float) -> None:
+    """out (T, N) = rms_norm(residual) @ w (N, K)^T in one launch: add_rms_norm (no delta) and gemm, without the
+    normed buffer between them; out bf16, or fp32 (the logits)."""
+    T, K = residual.shape
+    N = w.shape[0]
+    _fused_shapes_ok(residual, w)
+    assert out.shape == (T, N) and out.strides[1] == out.itemsize
+    _launch_norm_gemv(f"rms_norm_gemv<{T}, {'true' if out.dtype == np.float32 else 'false'}>", T, K, N,
+                      (residual, norm_weight, w, out, np.float32(eps), np.int32(K), np.int32(N),
+                       np.int32(out.strides[0] // out.itemsize)))
+
+
+def rms_norm_gemv_swiglu(residual: cp.ndarray, norm_weight: cp.ndarray, w_gate_up: cp.ndarray, act: cp.ndarray,
+                         eps: float) -> None:
+    """act (T, inter) = swiglu(rms_norm(residual) @ w_gate_up (2 inter, K)^T) in one launch: no gate_up buffer."""
+    T, K = residual.shape
+    inter = w_gate_up.shape[0] // 2
+    _fused_shapes_ok(residual, w_gate_up)
+    assert act.shape == (T, inter) and act.flags.c_contiguous, "act: whole (T, inter) rows"
+    _launch_norm_gemv(f"rms_norm_gemv_swiglu<{T}>", T, K, inter,
+                      (residual, norm_weight, w_gate_up, act, np.float32(eps), np.int32(K), np.int32(inter)))
+
+
+def gemv_add(x: cp.ndarray, w: cp.ndarray, residual: cp.ndarray) -> None:
+    """residual (T, N) fp32 += bf16(x (T, K) @ w (N, K)^T): gemv with the residual add in its epilogue."""
+    T, K = x.shape
+    N = w.shape[0]
+    assert T <= GEMV_MAX_ROWS and K % BF16_PER_VECTOR == 0, "the fused layer: up to GEMV_MAX_ROWS rows, 16-byte loads"
+    assert x.strides == w.strides == (2 * K, 2) and residual.shape == (T, N) and residual.flags.c_contiguous
+    kernel("fused_decode", f"gemv_add<{T}>")((-(-N // GEMV_COLUMNS_PER_BLOCK),), (GEMV_THREADS,),
+                                             (x, w, residual, np.int32(K), np.int32(N)))
+
+
+def rope_store_kv(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, k_cache: cp.ndarray,
+                  v_cache: cp.ndarray, slots: cp.ndarray, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """rope on the Q and K heads, then store_kv, in one launch (one block per row)."""
+    _rows_ok(qkv)
+    assert k_cache.flags.c_contiguous and v_cache.flags.c_contiguous, "the cache must be (slots, kv_heads, head_dim)"
+    assert k_cache.shape[1:] == (num_kv_heads, head_dim)
+    kernel("fused_decode", "rope_store_kv")((len(positions),), (ROWS,),
+                                            (qkv, positions, cos, sin, k_cache, v_cache, slots, np.int32(num_heads),
+                                             np.int32(num_kv_heads), np.int32(head_dim),
+                                             np.int32(qkv.strides[0] // 2)))
+
+
+def _fused_shapes_ok(residual: cp.ndarray, w: cp.ndarray) -> None:
+    T, K = residual.shape
+    assert 1 <= T <= GEMV_MAX_ROWS and K % BF16_PER_VECTOR == 0, "the fused layer: up to GEMV_MAX_ROWS rows, K % 8 == 0"
+    assert residual.dtype == np.float32 and residual.flags.c_contiguous and w.strides == (2 * K, 2)
+
+
+def _launch_norm_gemv(name: str, T: int, K: int, columns: int, args: tuple) -> None:
+    """The two norm kernels: FUSED_BLOCKS_PER_SM blocks per SM at most (each normalizes the rows once, into shared
+    memory, then walks its share of the columns), or one per GEMV_COLUMNS_PER_BLOCK columns if that is fewer."""
+    k = kernel("fused_decode", name)
+    smem = T * K * 2  # the normalized rows, bf16
+    if smem > 48 * 1024:  # past the default limit a kernel must opt in (Llama 3.1 8B: 8 x 4096 x 2 = 64 KiB)
+        k.max_dynamic_shared_size_bytes = smem
+    blocks = min(-(-columns // GEMV_COLUMNS_PER_BLOCK), FUSED_BLOCKS_PER_SM * _multiprocessors())
+    k((blocks,), (GEMV_THREADS,), args, shared_mem=smem)
+
+
 def free_cached_memory() -> None:
     """Hand the memory CuPy caches for reuse back to the driver: a freed array's device memory stays in
     CuPy's pool (and pinned host memory in its pinned pool), where no other process can have it."""
@@ -129,8 +195,9 @@ def rope(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarra
 
 
 def prefill_smem(head_dim: int) -> int:
-    """Shared memory of both attention kernels: the Q tile and the K and V tiles, bf16, rows padded."""
-    return (PREFILL_TILE + 2 * PREFILL_KEY_TILE) * (head_dim + PREFILL_SMEM_PAD) * 2
+    """Shared memory of both attention kernels: the Q tile and PREFILL_KV_STAGES pairs of K and V tiles, bf16,
+    rows padded."""
+    return (PREFILL_TILE + 2 * PREFILL_KV_STAGES * PREFILL_KEY_TILE) * (head_dim + PREFILL_SMEM_PAD) * 2
 
 
 def prefill_attention(qkv: cp.ndarray, out: cp.ndarray, num_heads: int, num_kv_heads: int,

@@ -136,6 +136,46 @@ def store_kv(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: n
     v_cache[slots] = qkv[:, q_cols + kv_cols:q_cols + 2 * kv_cols].reshape(-1, kv_heads, head_dim)
 
 
+# ---- chapter 8: the fused decode layer's twins (kernels/fused_decode.cu). Each is the unfused ops it replaces, in
+# their order, on a scratch buffer where the kernel keeps the intermediate on chip: the same float32 operations,
+# so the fused layer gives the unfused layer's bits on the CPU.
+
+def rms_norm_gemv(residual: np.ndarray, norm_weight: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:
+    """out (T, N) = rms_norm(residual) @ w (N, K)^T: add_rms_norm without a delta, then gemm."""
+    normed = _scratch(residual.shape)
+    add_rms_norm(residual, None, norm_weight, normed, eps)
+    gemm(normed, w, out)
+
+
+def rms_norm_gemv_swiglu(residual: np.ndarray, norm_weight: np.ndarray, w_gate_up: np.ndarray, act: np.ndarray,
+                         eps: float) -> None:
+    """act (T, inter) = swiglu(rms_norm(residual) @ w_gate_up (2 inter, K)^T): gate and up side by side, as the
+    kernel's warp for column j sums weight rows j and inter + j."""
+    normed, gate_up = _scratch(residual.shape), _scratch((residual.shape[0], w_gate_up.shape[0]))
+    add_rms_norm(residual, None, norm_weight, normed, eps)
+    gemm(normed, w_gate_up, gate_up)
+    swiglu(gate_up, act)
+
+
+def gemv_add(x: np.ndarray, w: np.ndarray, residual: np.ndarray) -> None:
+    """residual (T, N) += x (T, K) @ w (N, K)^T: gemm, then the add the next add_rms_norm would have done."""
+    delta = _scratch(residual.shape)
+    gemm(x, w, delta)
+    residual += delta
+
+
+def rope_store_kv(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,
+                  v_cache: np.ndarray, slots: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """rope on the Q and K heads of each row, then store_kv: its K and V to slot slots[t]."""
+    rope(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim)
+    store_kv(qkv, k_cache, v_cache, slots, num_heads)
+
+
+def _scratch(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 array aligned as the model's buffers are (buffers.ALIGN): BLAS then takes the same path over it."""
+    return blob(int(np.prod(shape)) * 4).view(F32).reshape(shape)
+
+
 DECODE_SPLITS = None  # None: as many chunks as the kernel (decode_thread_groups); an int overrides it, to experiment
 
 

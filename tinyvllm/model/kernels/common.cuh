@@ -27,6 +27,27 @@ __device__ __forceinline__ float block_sum(float v) {
     return partial[0];
 }
 
+// block_sum of NB values at once, one barrier round for all: each value summed exactly as block_sum sums one
+// (its warp's shuffle tree, then a tree over the warps' partial sums), every warp getting the totals
+template <int NB>
+__device__ __forceinline__ void block_sums(float (&v)[NB]) {
+    __shared__ float partial[NB][32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    #pragma unroll
+    for (int b = 0; b < NB; ++b) v[b] = warp_sum(v[b]);
+    __syncthreads();  // partial[] may still be read by a previous call
+    if (lane == 0) {
+        #pragma unroll
+        for (int b = 0; b < NB; ++b) partial[b][warp] = v[b];
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int b = 0; b < NB; ++b) v[b] = warp_sum(lane < blockDim.x / 32 ? partial[b][lane] : 0.0f);
+}
+
+// What a bf16 buffer would hand the next kernel: v rounded to bf16 (round to nearest even) and widened back
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
 // 8 bf16 values, loaded as one 16-byte vector, to fp32
 __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* out) {
     const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);

@@ -4,7 +4,7 @@
 // bandwidth. cuBLAS's GEMM kernels are tiled for large n; here each warp streams one weight row with
 // 16-byte loads, multiplies it with the n input rows (tiny, and hot in L1/L2), and reduces with shuffles.
 // Launch: grid (ceil(N / GEMV_COLUMNS_PER_BLOCK)), block (GEMV_THREADS = 256): GEMV_COLUMNS_PER_BLOCK = 8
-//   warps, one output column j = weight row j each; instantiated per (NB = n rows, F32_OUT).
+//   warps, one output column j = weight row j each (gemv.cuh); instantiated per (NB = n rows, F32_OUT).
 // Layout: x bf16 (n, K) row-major; W bf16 (N, K) row-major (the checkpoint's layout, no transpose);
 //   out (n, out_stride) bf16 or fp32 (F32_OUT), column j of row b at b * out_stride + j; K % 8 == 0.
 #ifndef GEMV_MAX_ROWS
@@ -16,44 +16,9 @@
 #ifndef GEMV_THREADS
 #error "GEMV_THREADS comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
-#include "common.cuh"
+#include "gemv.cuh"  // gemv_sums and gemv_store: the warp per weight row (which stops unless GEMV_LOADS comes through -D)
 
 static_assert(GEMV_THREADS == 32 * GEMV_COLUMNS_PER_BLOCK, "one warp per output column");
-
-// Each warp's row sums for output column `row` (a weight row): lane l takes k = 8l, 8l + 256, ..., one
-// 16-byte load at a time, then the warp adds its 32 partial sums up. Only the first `rows` input rows.
-template <int NB>
-__device__ __forceinline__ void gemv_sums(const __nv_bfloat16* x, const __nv_bfloat16* row, int K, int rows,
-                                          float (&acc)[NB]) {
-    const int lane = threadIdx.x % 32;
-    #pragma unroll 4
-    for (int k = lane * 8; k < K; k += 32 * 8) {  // a warp reads 512 contiguous bytes per iteration
-        float wf[8];
-        bf16x8_to_float(*reinterpret_cast<const uint4*>(row + k), wf);
-        #pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            if (b >= rows) break;  // gemv: never (rows == NB); gemv_rows: the last group of rows
-            float xf[8];
-            bf16x8_to_float(*reinterpret_cast<const uint4*>(x + (long long)b * K + k), xf);
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[b] += wf[i] * xf[i];
-        }
-    }
-    #pragma unroll
-    for (int b = 0; b < NB; ++b) acc[b] = warp_sum(acc[b]);
-}
-
-template <int NB, bool F32_OUT>
-__device__ __forceinline__ void gemv_store(const float (&acc)[NB], void* out, int rows, int out_stride, int j) {
-    if (threadIdx.x % 32 != 0) return;
-    #pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        if (b >= rows) break;
-        long long at = (long long)b * out_stride + j;
-        if (F32_OUT) static_cast<float*>(out)[at] = acc[b];
-        else static_cast<__nv_bfloat16*>(out)[at] = __float2bfloat16(acc[b]);
-    }
-}
 
 template <int NB, bool F32_OUT>
 __global__ void __launch_bounds__(GEMV_THREADS) gemv(const __nv_bfloat16* x, const __nv_bfloat16* w, void* out, int K,
