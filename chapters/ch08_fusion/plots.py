@@ -264,9 +264,13 @@ PENDING = ("**Pending.** No `bench/results/decode-*.json` holds fused results ye
            "bandwidth. No number is written here before it is measured.")
 
 
+EAGER_ROWS = [("ms per token", "ms_per_token"), ("its kernels back to back, ms", "kernel_ms"),
+              ("launch gaps and host, ms", "launch_gaps_and_host_ms"), ("op calls per step", "op_calls_per_step")]
+
+
 def measured_after_fusion_markdown(results_dir: Path = RESULTS_DIR) -> str:
     """The section's body: from the newest decode run with a "fused" entry, its numbers next to the same
-    run's unfused ones; every number the entry holds is shown, the known ones first. PENDING without one."""
+    run's unfused ones, eager and with CUDA graphs at each batch. PENDING without one."""
     found = newest_fused_result(results_dir)
     if found is None:
         return PENDING
@@ -275,16 +279,26 @@ def measured_after_fusion_markdown(results_dir: Path = RESULTS_DIR) -> str:
     lines = [f"From [`bench/results/{name}`](../../bench/results/{name}): {result['machine']['gpu']}, batch "
              f"{result['batch']}, context {result['context']}; copy bandwidth {result['copy_bandwidth_gb_s']:,.0f} "
              f"GB/s, so the floor is {floor:.3f} ms ({result['bytes_per_step']:,} bytes).", "",
-             "| measured | unfused | fused |", "|---|---:|---:|"]
+             "Eager (every kernel launched by the host), batch 1:", "",
+             "| measured | unfused (x the floor) | fused (x the floor) |", "|---|---:|---:|"]
 
-    def cell(value) -> str:
-        return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
-
-    for key in [k for k, v in fused.items() if isinstance(v, (int, float))]:
-        lines.append(f"| {key} | {cell(result.get(key))} | {cell(fused[key])} |")
-        if key.endswith("ms_per_token") or key == "kernel_ms":
-            ratio = [v / floor if isinstance(v, (int, float)) else None for v in (result.get(key), fused[key])]
-            lines.append(f"| {key}: x the floor | {cell(ratio[0])} | {cell(ratio[1])} |")
+    for label, key in EAGER_ROWS:
+        before, after = result.get(key), fused.get(key)
+        if before is None or after is None:   # an older run did not record it
+            continue
+        if key == "op_calls_per_step":
+            lines.append(f"| {label} | {before} | {after} |")
+        else:
+            lines.append(f"| {label} | {before:.3f} ({before / floor:.2f}x) | {after:.3f} ({after / floor:.2f}x) |")
+    if "batches" in result:
+        lines += ["", "With CUDA graphs (chapter 7), ms per token (x the floor at that batch: weights once, K/V of "
+                  "every sequence); above 8 rows the unfused layer runs either way:", "",
+                  "| batch | floor, ms | unfused | fused | op calls per step |", "|---:|---:|---:|---:|---:|"]
+        for b in result["batches"]:
+            u, f = b["unfused"], b["fused"]
+            lines.append(f"| {b['batch']} | {b['floor_ms']:.3f} | {u['ms_per_token']:.3f} ({u['ratio_to_floor']:.2f}x) | "
+                         f"{f['ms_per_token']:.3f} ({f['ratio_to_floor']:.2f}x) | {u['op_calls_per_step']} -> "
+                         f"{f['op_calls_per_step']} |")
     if "kernel_ms_by_op" in fused:
         lines += ["", "The fused step, op by op (each op timed with its own CUDA events):", "",
                   "| op | ms per step | launches | µs per launch | bytes / time / copy bandwidth |",
