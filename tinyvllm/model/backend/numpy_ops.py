@@ -142,7 +142,7 @@ def store_kv(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: n
 
 def rms_norm_gemv(residual: np.ndarray, norm_weight: np.ndarray, w: np.ndarray, out: np.ndarray, eps: float) -> None:
     """out (T, N) = rms_norm(residual) @ w (N, K)^T: add_rms_norm without a delta, then gemm."""
-    normed = _scratch(residual.shape)
+    normed = _scratch("normed", residual.shape)
     add_rms_norm(residual, None, norm_weight, normed, eps)
     gemm(normed, w, out)
 
@@ -151,7 +151,7 @@ def rms_norm_gemv_swiglu(residual: np.ndarray, norm_weight: np.ndarray, w_gate_u
                          eps: float) -> None:
     """act (T, inter) = swiglu(rms_norm(residual) @ w_gate_up (2 inter, K)^T): gate and up side by side, as the
     kernel's warp for column j sums weight rows j and inter + j."""
-    normed, gate_up = _scratch(residual.shape), _scratch((residual.shape[0], w_gate_up.shape[0]))
+    normed, gate_up = _scratch("normed", residual.shape), _scratch("gate_up", (residual.shape[0], w_gate_up.shape[0]))
     add_rms_norm(residual, None, norm_weight, normed, eps)
     gemm(normed, w_gate_up, gate_up)
     swiglu(gate_up, act)
@@ -159,7 +159,7 @@ def rms_norm_gemv_swiglu(residual: np.ndarray, norm_weight: np.ndarray, w_gate_u
 
 def gemv_add(x: np.ndarray, w: np.ndarray, residual: np.ndarray) -> None:
     """residual (T, N) += x (T, K) @ w (N, K)^T: gemm, then the add the next add_rms_norm would have done."""
-    delta = _scratch(residual.shape)
+    delta = _scratch("delta", residual.shape)
     gemm(x, w, delta)
     residual += delta
 
@@ -171,9 +171,16 @@ def rope_store_kv(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: 
     store_kv(qkv, k_cache, v_cache, slots, num_heads)
 
 
-def _scratch(shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array aligned as the model's buffers are (buffers.ALIGN): BLAS then takes the same path over it."""
-    return blob(int(np.prod(shape)) * 4).view(F32).reshape(shape)
+_SCRATCH: dict[tuple, np.ndarray] = {}   # (role, shape) -> its float32 array, allocated once
+
+
+def _scratch(role: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The float32 array a twin keeps an intermediate in (where its kernel keeps it on chip): allocated once per
+    role and shape, aligned as the model's buffers are (buffers.ALIGN), so BLAS takes the same path over it."""
+    key = (role, shape)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = blob(4 * int(np.prod(shape))).view(F32).reshape(shape)
+    return _SCRATCH[key]
 
 
 DECODE_SPLITS = None  # None: as many chunks as the kernel (decode_thread_groups); an int overrides it, to experiment
