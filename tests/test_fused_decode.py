@@ -138,7 +138,8 @@ def decode_both_ways(model, rng, n: int, steps: int = 3):
     from tinyvllm.model.decode import decode_batch
     from tinyvllm.model.kv_pool import PagedKVPool
     from tinyvllm.model.prefill import prefill_batch
-    prompts = [rng.integers(0, model.cfg.vocab_size, int(rng.integers(1, 40))).tolist() for _ in range(n)]
+    longest = min(40, model.max_step_tokens // n)   # the n prompts are prefilled in one step
+    prompts = [rng.integers(0, model.cfg.vocab_size, int(rng.integers(1, longest + 1))).tolist() for _ in range(n)]
     runs = []
     for _ in range(2):
         blocks = BlockManager(n * 8)
