@@ -86,16 +86,16 @@ def check_fused_ops(model: Model, rng: np.random.Generator) -> list[Stage]:
     qkv_cols, inter = layer.qkv.shape[0], cfg.intermediate_size
     blocks = fusion.num_blocks
 
-    def norm_then(w: np.ndarray) -> np.ndarray:     # add_rms_norm (no delta), then the GEMM
+    def norm_then(norm_weight: np.ndarray, w: np.ndarray) -> np.ndarray:   # add_rms_norm (no delta), then the GEMM
         normed = np.empty_like(residual)
-        numpy_ops.add_rms_norm(residual.copy(), None, layer.input_norm, normed, eps)
+        numpy_ops.add_rms_norm(residual.copy(), None, norm_weight, normed, eps)
         out = np.empty((ROWS, w.shape[0]), np.float32)
         numpy_ops.gemm(normed, w, out)
         return out
 
     def unfused_swiglu() -> np.ndarray:
         act = np.empty((ROWS, inter), np.float32)
-        numpy_ops.swiglu(norm_then(layer.gate_up), act)
+        numpy_ops.swiglu(norm_then(layer.post_norm, layer.gate_up), act)
         return act
 
     def fused_qkv() -> np.ndarray:
@@ -105,7 +105,7 @@ def check_fused_ops(model: Model, rng: np.random.Generator) -> list[Stage]:
 
     def fused_swiglu() -> np.ndarray:
         act = np.full((ROWS, inter), np.nan, np.float32)
-        fusion.rms_norm_gemv_swiglu(residual, layer.input_norm, layer.gate_up, act, eps)
+        fusion.rms_norm_gemv_swiglu(residual, layer.post_norm, layer.gate_up, act, eps)
         return act
 
     attn = rng.standard_normal((ROWS, cfg.q_size)).astype(np.float32)
@@ -121,7 +121,7 @@ def check_fused_ops(model: Model, rng: np.random.Generator) -> list[Stage]:
         return after
 
     cols = fusion.COLS_PER_BLOCK
-    return [unfused_and_fused("(c) rms_norm_gemv: norm + qkv", lambda: norm_then(layer.qkv), fused_qkv,
+    return [unfused_and_fused("(c) rms_norm_gemv: norm + qkv", lambda: norm_then(layer.input_norm, layer.qkv), fused_qkv,
                               f"{blocks(qkv_cols, cols)} blocks x {cols} columns"),
             unfused_and_fused("(c) rms_norm_gemv_swiglu: norm + gate_up + swiglu", unfused_swiglu, fused_swiglu,
                               f"{blocks(inter, cols)} blocks x {cols} columns"),

@@ -11,7 +11,8 @@ Exercises 8.1 to 8.4 are NumPy and graded anywhere; Exercise 8.5 is CUDA C and g
 
 `--impl student` replaces the functions of chapters/ch08_fusion/fusion.py with yours: the checkpoint then
 counts a step's bytes with your step_bytes and floor_ms, and every layer of its fused decode step runs
-your thread blocks. Keep 8.3 and 8.4 in float32: NumPy 2 turns float32 * a float64 scalar into float64.
+your thread blocks. Keep 8.3 and 8.4 in float32, as the kernels are: a np.float64 value (np.sqrt of a
+Python float, a float64 array) turns float32 arithmetic into float64.
 """
 from __future__ import annotations
 
