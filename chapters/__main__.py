@@ -20,6 +20,7 @@ except (LookupError, TinyVLLMError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 except NotImplementedError as e:
-    print(f"error: {e} — fill it in, in chapters/*/exercises.py, then run again", file=sys.stderr)
+    exercises = package.replace(".", "/") + "/exercises.py"
+    print(f"error: {e} — fill it in, in {exercises}, then run again", file=sys.stderr)
     sys.exit(1)
 sys.exit(0 if ok else 1)
