@@ -300,8 +300,9 @@ def measured_after_fusion_markdown(results_dir: Path = RESULTS_DIR) -> str:
                          f"{f['ms_per_token']:.3f} ({f['ratio_to_floor']:.2f}x) | {u['op_calls_per_step']} -> "
                          f"{f['op_calls_per_step']} |")
     if "kernel_ms_by_op" in fused:
-        lines += ["", "The fused step, op by op (each op timed with its own CUDA events):", "",
-                  "| op | ms per step | launches | µs per launch | bytes / time / copy bandwidth |",
+        lines += ["", "The fused step, op by op (each op timed with its own CUDA events; an op call is one kernel "
+                  "launch, except paged attention's split, which adds a merge):", "",
+                  "| op | ms per step | calls | µs per call | bytes / time / copy bandwidth |",
                   "|---|---:|---:|---:|---:|"]
         for r in per_op(result, {**fused, "fused": True}):
             share = percent(r["of_copy"]) if r["of_copy"] is not None else "-"
