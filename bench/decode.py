@@ -247,12 +247,21 @@ def batch_sweep(model, batches: list[int], context: int, steps: int, bandwidth: 
 
 # ---------------------------------------------------------------- transformers
 
-def transformers_ms_per_token(model_dir: Path, context: int, steps: int) -> float:
+def load_transformers(model_dir: Path, device: str):
+    """HF transformers' Llama on the same weights: bf16 on the GPU, float32 on the CPU (as tinyvllm's twins)."""
     import torch
-    from transformers import DynamicCache, LlamaForCausalLM
-    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    from transformers import LlamaForCausalLM
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+def transformers_ms_per_token(model_dir: Path, context: int, steps: int, device: str = "cuda") -> float:
+    """transformers' own decode loop: its dynamic KV cache, one forward per token, the id read on the host."""
+    import torch
+    from transformers import DynamicCache
+    hf = load_transformers(model_dir, device)
     cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    ids = torch.randint(0, hf.config.vocab_size, (1, context), device="cuda")
+    ids = torch.randint(0, hf.config.vocab_size, (1, context), device=device)
     times = []
     with torch.no_grad():
         for run in range(2):  # the first run warms up
@@ -261,13 +270,51 @@ def transformers_ms_per_token(model_dir: Path, context: int, steps: int) -> floa
             token = int(out.logits[0, -1].argmax())
             for _ in range(steps):
                 start = time.perf_counter()
-                out = hf(torch.tensor([[token]], device="cuda"), **{cache_arg: cache}, use_cache=True)
+                out = hf(torch.tensor([[token]], device=device), **{cache_arg: cache}, use_cache=True)
                 token = int(out.logits[0, -1].argmax())  # the id on the host, as for tinyvllm
                 if run:
                     times.append(time.perf_counter() - start)
     del hf
-    torch.cuda.empty_cache()
+    release_torch(device)
     return 1e3 * statistics.median(times)
+
+
+def transformers_static_ms_per_token(model_dir: Path, context: int, steps: int, device: str = "cuda") -> dict:
+    """transformers' fastest decode: generate() with a static KV cache, which generate() compiles on a GPU
+    (torch.compile with CUDA graphs; not on a CPU). Per token: a generation of steps + 1 tokens minus one of 1
+    token, over the `steps` extra tokens (the prefill cancels), medians of 3 after two compiling warm-ups."""
+    import torch
+    hf = load_transformers(model_dir, device)
+    ids = torch.randint(0, hf.config.vocab_size, (1, context), device=device)
+
+    def seconds(new_tokens: int) -> float:
+        synchronize_torch(device)
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                    cache_implementation="static", pad_token_id=0)
+        synchronize_torch(device)
+        return time.perf_counter() - start
+
+    with torch.no_grad():
+        for n in (steps + 1, 1):     # compile, capture, warm up
+            seconds(n)
+        long = statistics.median(seconds(steps + 1) for _ in range(3))
+        short = statistics.median(seconds(1) for _ in range(3))
+    del hf
+    release_torch(device)
+    return {"ms_per_token": 1e3 * (long - short) / steps, "compiled": device == "cuda"}
+
+
+def synchronize_torch(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def release_torch(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- the run
@@ -304,9 +351,11 @@ def report(result: dict) -> None:
     invariant = result["batch_invariant"]
     print(f"batch-invariant mode (chapter 7): {invariant['ms_per_token']:.3f} ms/token, "
           f"{invariant['over_default']:.2f}x the default (fused) layer")
-    if result["transformers_ms_per_token"] is not None:
-        print(f"transformers (bf16, KV cache): {result['transformers_ms_per_token']:.3f} ms/token -> tinyvllm (fused) "
-              f"is {result['speedup_vs_transformers']:.2f}x faster")
+    print(f"transformers (its KV cache, eager): {result['transformers_ms_per_token']:.3f} ms/token -> tinyvllm "
+          f"(fused, eager) is {result['speedup_vs_transformers']:.2f}x faster")
+    static = result["transformers_static_cache"]
+    print(f"transformers (generate, static cache{', compiled' if static['compiled'] else ''}): "
+          f"{static['ms_per_token']:.3f} ms/token = {static['ratio_to_floor']:.2f}x the floor")
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -333,7 +382,8 @@ def main(argv: list[str] | None = None) -> Path:
     invariant = Model(model_dir, device=args.device, max_step_tokens=args.context, batch_invariant=True)
     invariant_run = tinyvllm_ms_per_token(invariant, args.context, args.steps, bandwidth)
     del invariant
-    hf_ms = transformers_ms_per_token(model_dir, args.context, args.steps) if args.device == "cuda" else None
+    hf_ms = transformers_ms_per_token(model_dir, args.context, args.steps, args.device)
+    hf_static = transformers_static_ms_per_token(model_dir, args.context, args.steps, args.device)
     ms = fused["ms_per_token"]
     result = {"benchmark": "decode", "machine": machine, "model": str(model_dir), "config": vars(cfg),
               "device": args.device,
@@ -343,7 +393,10 @@ def main(argv: list[str] | None = None) -> Path:
               "kernel_ratio_to_floor": unfused["kernel_ms"] / floor,
               "fused": {**fused, "ratio_to_floor": ms / floor, "kernel_ratio_to_floor": fused["kernel_ms"] / floor},
               "batches_mode": "cuda_graphs" if args.device == "cuda" else "eager", "batches": batches_rows,
-              "transformers_ms_per_token": hf_ms, "speedup_vs_transformers": hf_ms / ms if hf_ms else None,
+              "transformers_ms_per_token": hf_ms, "speedup_vs_transformers": hf_ms / ms,
+              "transformers_static_cache": {**hf_static, "ratio_to_floor": hf_static["ms_per_token"] / floor,
+                                            "tinyvllm_graphs_batch1_over_it": batches_rows[0]["fused"]["ms_per_token"]
+                                            / hf_static["ms_per_token"] if batches_rows[0]["batch"] == 1 else None},
               "batch_invariant": {"ms_per_token": invariant_run["ms_per_token"],
                                   "over_default": invariant_run["ms_per_token"] / ms,
                                   "kernel_ms": invariant_run["kernel_ms"]}}

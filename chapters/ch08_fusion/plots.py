@@ -42,9 +42,9 @@ def load_result(name: str, results_dir: Path = RESULTS_DIR) -> dict:
 
 
 def newest_fused_result(results_dir: Path = RESULTS_DIR) -> tuple[str, dict] | None:
-    """(file name, result) of the newest decode run with fused results, or None. The names carry the
-    run's date and time, so the last in sorted order is the newest."""
-    for path in sorted(Path(results_dir).glob("decode-*.json"), reverse=True):
+    """(file name, result) of the newest GPU decode run with fused results, or None. The names carry the
+    run's date and time, so the last in sorted order is the newest; a CPU smoke run (decode-cpu-*) is not one."""
+    for path in sorted(Path(results_dir).glob("decode-2*.json"), reverse=True):
         result = json.loads(path.read_text())
         if "fused" in result:
             return path.name, result
@@ -299,6 +299,11 @@ def measured_after_fusion_markdown(results_dir: Path = RESULTS_DIR) -> str:
             lines.append(f"| {b['batch']} | {b['floor_ms']:.3f} | {u['ms_per_token']:.3f} ({u['ratio_to_floor']:.2f}x) | "
                          f"{f['ms_per_token']:.3f} ({f['ratio_to_floor']:.2f}x) | {u['op_calls_per_step']} -> "
                          f"{f['op_calls_per_step']} |")
+    static = result.get("transformers_static_cache")
+    if static is not None:   # transformers' fastest decode, measured in the same run
+        lines += ["", f"transformers in the same run, `generate()` with a static KV cache"
+                  f"{' compiled (torch.compile, CUDA graphs)' if static['compiled'] else ''}: "
+                  f"{static['ms_per_token']:.3f} ms per token ({static['ratio_to_floor']:.2f}x the floor)."]
     if "kernel_ms_by_op" in fused:
         lines += ["", "The fused step, op by op (each op timed with its own CUDA events; an op call is one kernel "
                   "launch, except paged attention's split, which adds a merge):", "",
