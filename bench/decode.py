@@ -255,11 +255,10 @@ def load_transformers(model_dir: Path, device: str):
     return LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
-def transformers_ms_per_token(model_dir: Path, context: int, steps: int, device: str = "cuda") -> float:
+def transformers_ms_per_token(hf, context: int, steps: int, device: str = "cuda") -> float:
     """transformers' own decode loop: its dynamic KV cache, one forward per token, the id read on the host."""
     import torch
     from transformers import DynamicCache
-    hf = load_transformers(model_dir, device)
     cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     ids = torch.randint(0, hf.config.vocab_size, (1, context), device=device)
     times = []
@@ -274,17 +273,14 @@ def transformers_ms_per_token(model_dir: Path, context: int, steps: int, device:
                 token = int(out.logits[0, -1].argmax())  # the id on the host, as for tinyvllm
                 if run:
                     times.append(time.perf_counter() - start)
-    del hf
-    release_torch(device)
     return 1e3 * statistics.median(times)
 
 
-def transformers_static_ms_per_token(model_dir: Path, context: int, steps: int, device: str = "cuda") -> dict:
+def transformers_static_ms_per_token(hf, context: int, steps: int, device: str = "cuda") -> dict:
     """transformers' fastest decode: generate() with a static KV cache, which generate() compiles on a GPU
     (torch.compile with CUDA graphs; not on a CPU). Per token: a generation of steps + 1 tokens minus one of 1
     token, over the `steps` extra tokens (the prefill cancels), medians of 3 after two compiling warm-ups."""
     import torch
-    hf = load_transformers(model_dir, device)
     ids = torch.randint(0, hf.config.vocab_size, (1, context), device=device)
 
     def seconds(new_tokens: int) -> float:
@@ -300,8 +296,6 @@ def transformers_static_ms_per_token(model_dir: Path, context: int, steps: int, 
             seconds(n)
         long = statistics.median(seconds(steps + 1) for _ in range(3))
         short = statistics.median(seconds(1) for _ in range(3))
-    del hf
-    release_torch(device)
     return {"ms_per_token": 1e3 * (long - short) / steps, "compiled": device == "cuda"}
 
 
@@ -309,12 +303,6 @@ def synchronize_torch(device: str) -> None:
     if device == "cuda":
         import torch
         torch.cuda.synchronize()
-
-
-def release_torch(device: str) -> None:
-    if device == "cuda":
-        import torch
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- the run
@@ -382,8 +370,10 @@ def main(argv: list[str] | None = None) -> Path:
     invariant = Model(model_dir, device=args.device, max_step_tokens=args.context, batch_invariant=True)
     invariant_run = tinyvllm_ms_per_token(invariant, args.context, args.steps, bandwidth)
     del invariant
-    hf_ms = transformers_ms_per_token(model_dir, args.context, args.steps, args.device)
-    hf_static = transformers_static_ms_per_token(model_dir, args.context, args.steps, args.device)
+    hf = load_transformers(model_dir, args.device)   # the peers: transformers' eager loop, then its static cache
+    hf_ms = transformers_ms_per_token(hf, args.context, args.steps, args.device)
+    hf_static = transformers_static_ms_per_token(hf, args.context, args.steps, args.device)
+    del hf
     ms = fused["ms_per_token"]
     result = {"benchmark": "decode", "machine": machine, "model": str(model_dir), "config": vars(cfg),
               "device": args.device,
