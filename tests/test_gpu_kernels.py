@@ -131,7 +131,7 @@ def test_prefill_attention_writes_only_its_columns(ops, rng):
     assert cp.asnumpy(wide).dtype == np.uint16
 
 
-@pytest.mark.parametrize("T,inter", [(1, 64), (37, 1536), (5, 1000), (129, 8192)])
+@pytest.mark.parametrize("T,inter", [(1, 64), (37, 1536), (5, 1000), (3, 100), (129, 8192)])
 def test_swiglu(ops, rng, T, inter):
     gate_up32, gate_up = bf16_pair(rng, (T, 2 * inter))
     act = nan_bf16((T, inter))

@@ -18,10 +18,11 @@ import gc
 import itertools
 import logging
 from collections import deque
+from typing import NamedTuple
 
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.sampling import SamplingParams, apply_penalties, logprob_entries, raw_logprobs, sample
-from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.scheduler import Scheduler, Step
 from tinyvllm.engine.sequence import Sequence, Status, check_prompt
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.checkpoints import resolve_model
@@ -35,6 +36,13 @@ from tinyvllm.model.prefill import prefill_batch
 
 log = logging.getLogger(__name__)
 TRACE_STEPS = 1024   # steps the trace remembers: a ring, so a server running for days keeps bounded memory
+
+
+class LaunchedStep(NamedTuple):
+    """A step whose forward pass is launched: the plan, and logits the device may still be computing."""
+    step: Step
+    prefill_logits: object
+    decode_logits: object
 
 
 class Engine:
@@ -119,6 +127,11 @@ class Engine:
 
     def step(self) -> list[tuple[Sequence, str]]:
         """One step of the loop; returns (sequence, the text it released) for every sequence that ran."""
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> LaunchedStep:
+        """The first half of a step: plan it and launch its forward pass. On a GPU this returns while the
+        kernels run, so the caller can do host work (the engine core sends the last step's tokens) meanwhile."""
         step = self.scheduler.schedule()   # blocks taken: the model reads step.plan
         if not (step.prefills or step.decodes or step.preempted) and self.has_work():
             raise TinyVLLMError(f"the scheduler planned a step that runs nothing while {len(self.scheduler.waiting)} "
@@ -132,6 +145,11 @@ class Engine:
         elif step.decodes:  # decodes alone: the CUDA graph of their batch size, on a GPU
             decode_logits = self.decode(step.plan.decodes)
         self.scheduler.computed(step)   # the blocks this step filled become findable (prefix caching)
+        return LaunchedStep(step, prefill_logits, decode_logits)
+
+    def finish_step(self, launched: LaunchedStep) -> list[tuple[Sequence, str]]:
+        """The second half: wait for the logits (the first read-back), sample, record, retire the finished."""
+        step, prefill_logits, decode_logits = launched
         released = []
         done = [i for i, s in enumerate(step.prefills) if s.num_computed == len(s)]  # whole prompt in the pool
         if done:

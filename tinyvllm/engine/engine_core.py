@@ -12,6 +12,11 @@ server over two ZeroMQ sockets —
 With several API-server processes (`serve --api-server-count N`, api_servers.py) each has its own pair of
 sockets; an Add names its process, and each step's Report to a process carries its requests' tokens only.
 
+A step's Report goes out while the GPU runs the next step: the loop launches step N + 1 (engine.launch_step,
+which returns as soon as the kernels are queued), pickles and sends step N's Report, then waits for step
+N + 1's tokens (engine.finish_step). Commands are still applied before a launch, never while a step is in
+flight, so an Abort never frees blocks that running kernels write.
+
 The engine core does not detokenize token by token (the API side does, while the next step runs), except
 when stop strings need the text to decide where the output ends; its Update carries token ids. Nothing a request carries can
 stop this loop: a request that fails, fails alone (its Update carries the error), and the loop goes on.
@@ -119,9 +124,10 @@ class EngineCore:
                      time.perf_counter() - self.started - self.busy - self.idle, self.idle)
 
     def _loop(self) -> None:
+        outbox: tuple | None = None   # the last step's Report, sent while the GPU runs the next step
         while True:
             updates: list[Update] = []
-            was_idle = not self.engine.has_work() and not self.deferred   # a sample 0 done at once frees its siblings
+            was_idle = not self.engine.has_work() and not self.deferred and outbox is None
             while was_idle:                                         # idle: sleep until a command arrives
                 start = time.perf_counter()
                 arrived = self.commands.poll(POLL_MS)
@@ -133,15 +139,23 @@ class EngineCore:
             while self.commands.poll(0):
                 command = pickle.loads(self.commands.recv())
                 if command is None:
-                    return
+                    return self._report(*outbox) if outbox is not None else None   # the last tokens still go out
                 self._apply(command, updates)
             for command in self._ready_samples():
                 self._apply(command, updates)
             stepping = time.perf_counter()
-            step = self._step(updates) if self.engine.has_work() else None
+            launched = self._launch(updates) if self.engine.has_work() else None
+            self.busy += time.perf_counter() - stepping
+            if outbox is not None:   # pickling and sending overlap the kernels just launched
+                self._report(*outbox)
+            stepping = time.perf_counter()
+            step = self._finish(launched, updates) if launched is not None else None
             self.busy += time.perf_counter() - stepping
             snapshot = self._snapshot() if self.snapshot_asked else None   # nobody watching: this `if` is all
-            self._report(updates, step, snapshot)
+            outbox = (updates, step, snapshot)
+            if launched is None:     # nothing in flight to hide the sending behind: send now
+                self._report(*outbox)
+                outbox = None
 
     def _report(self, updates: list[Update], step: dict | None, snapshot: dict | None) -> None:
         """Each API server gets its own requests' updates, and the step, the stats and the snapshot."""
@@ -195,15 +209,24 @@ class EngineCore:
         del self.sent[request_id], self.names[seq.seq_id]
         return seq
 
-    def _step(self, updates: list[Update]) -> dict | None:
+    def _launch(self, updates: list[Update]):
         try:
-            released = self.engine.step()
-        except Exception as e:   # not one request's fault (the model failed): fail those in flight, go on
-            log.exception("engine step failed")
-            for request_id in list(self.requests):
-                self.engine.abort(self._forget(request_id))
-                updates.append(Update(request_id, [], None, None, "error", f"the engine failed: {one_line(e)}"))
-            return None
+            return self.engine.launch_step()
+        except Exception as e:
+            return self._engine_failed(e, updates)
+
+    def _engine_failed(self, e: Exception, updates: list[Update]) -> None:
+        """Not one request's fault (the model failed): fail those in flight, go on."""
+        log.exception("engine step failed")
+        for request_id in list(self.requests):
+            self.engine.abort(self._forget(request_id))
+            updates.append(Update(request_id, [], None, None, "error", f"the engine failed: {one_line(e)}"))
+
+    def _finish(self, launched, updates: list[Update]) -> dict | None:
+        try:
+            released = self.engine.finish_step(launched)
+        except Exception as e:
+            return self._engine_failed(e, updates)
         self.steps += 1
         trace = self.engine.trace[-1]
         for seq_id, count in zip(trace["prefill"], trace["chunks"]):

@@ -218,7 +218,9 @@ def swiglu(gate_up: cp.ndarray, act: cp.ndarray) -> None:
     _rows_ok(gate_up, act)
     T, inter = act.shape
     assert act.strides[0] == inter * 2 and gate_up.strides[0] == 4 * inter, "swiglu wants whole rows"
-    kernel("swiglu", "swiglu")(((T * inter + ROWS - 1) // ROWS,), (ROWS,), (gate_up, act, np.int32(T), np.int32(inter)))
+    assert gate_up.data.ptr % 16 == 0 and act.data.ptr % 16 == 0, "16-byte vectors"
+    threads = T * inter // BF16_PER_VECTOR
+    kernel("swiglu", "swiglu")((-(-threads // ROWS),), (ROWS,), (gate_up, act, np.int32(T), np.int32(inter)))
 
 
 def argmax(logits: cp.ndarray, out: cp.ndarray) -> None:

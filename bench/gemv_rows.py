@@ -1,0 +1,66 @@
+"""Where gemv stops paying: a decode step of 1 to 16 rows, weights streamed by gemv or multiplied by cuBLAS.
+
+gemv (chapter 5) and the fused layer (chapter 8) read every weight once and multiply it by each of the step's
+rows, kept in registers; cuBLAS tiles the rows onto tensor cores. At one row gemv wins by far; each extra row
+adds arithmetic and input loads per weight byte, so somewhere cuBLAS catches up. GEMV_MAX_ROWS
+(backend/constants.py) is that crossing, and this script measures it: the same paged decode step (synthetic
+Llama-3.2-1B, 512-token context per sequence, one CUDA graph replay per step) at every batch of 1 to 16 rows in
+three modes — the fused layer, the unfused layer on gemv, the unfused layer on cuBLAS (gemv switched off by
+setting cuda_ops.GEMV_MAX_ROWS to 0 for the run; the fused layer then runs nowhere).
+Writes bench/results/gemv_rows-<time>.json.
+
+    python bench/gemv_rows.py [--model DIR] [--context 512] [--steps 64] [--max-rows 16]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.decode import floor_ms, measure_machine, ms_per_step  # noqa: E402
+from bench.gpu_common import write_result  # noqa: E402
+
+
+def sweep(model, rows: range, context: int, steps: int, bandwidth: float) -> list[dict]:
+    from tinyvllm.model.backend import cuda_ops
+    capacity, out = cuda_ops.GEMV_MAX_ROWS, []
+    for batch in rows:
+        row = {"batch": batch, "floor_ms": floor_ms(model, context, batch, bandwidth)}
+        for mode, fused, gemv_rows in (("fused", True, capacity), ("gemv", False, capacity), ("cublas", False, 0)):
+            if fused and batch > capacity:
+                continue
+            model.fused_decode, cuda_ops.GEMV_MAX_ROWS = fused, gemv_rows
+            row[mode] = ms_per_step(model, batch, context, steps)[0]
+        cuda_ops.GEMV_MAX_ROWS, model.fused_decode = capacity, True
+        print(row, flush=True)
+        out.append(row)
+        model.ops.free_cached_memory()
+    return out
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", help="a Llama checkpoint dir (default: a synthetic Llama-3.2-1B)")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--max-rows", type=int, default=16)
+    args = parser.parse_args(argv)
+    from tinyvllm.formats.checkpoints import synth_model
+    from tinyvllm.model.model import Model
+    model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
+    model = Model(model_dir, device="cuda", max_step_tokens=max(args.context, args.max_rows))
+    machine, bandwidth = measure_machine("cuda")
+    rows = sweep(model, range(1, args.max_rows + 1), args.context, args.steps, bandwidth)
+    fastest = {r["batch"]: min((m for m in ("fused", "gemv", "cublas") if m in r), key=r.get) for r in rows}
+    result = {"benchmark": "gemv_rows", "machine": machine, "model": str(model_dir), "context": args.context,
+              "steps": args.steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows, "fastest": fastest}
+    path = write_result("gemv_rows", result)
+    print("fastest mode per batch:", fastest)
+    print("wrote", path)
+    return path
+
+
+if __name__ == "__main__":
+    main()
