@@ -2,11 +2,11 @@
 
 gemv (chapter 5) and the fused layer (chapter 8) read every weight once and multiply it by each of the step's
 rows, kept in registers; cuBLAS tiles the rows onto tensor cores. At one row gemv wins by far; each extra row
-adds arithmetic and input loads per weight byte, so somewhere cuBLAS catches up. GEMV_MAX_ROWS
+adds 8 multiply-adds per 16-byte weight load on CUDA cores, so somewhere cuBLAS catches up. GEMV_DECODE_ROWS
 (backend/constants.py) is that crossing, and this script measures it: the same paged decode step (synthetic
 Llama-3.2-1B, 512-token context per sequence, one CUDA graph replay per step) at every batch of 1 to 16 rows in
-three modes — the fused layer, the unfused layer on gemv, the unfused layer on cuBLAS (gemv switched off by
-setting cuda_ops.GEMV_MAX_ROWS to 0 for the run; the fused layer then runs nowhere).
+three modes, whatever GEMV_DECODE_ROWS says (the script sets it for each): the fused layer and the unfused layer
+on gemv, for up to GEMV_MAX_ROWS rows (all the kernels take), and the unfused layer on cuBLAS.
 Writes bench/results/gemv_rows-<time>.json.
 
     python bench/gemv_rows.py [--model DIR] [--context 512] [--steps 64] [--max-rows 16]
@@ -24,16 +24,21 @@ from bench.gpu_common import write_result  # noqa: E402
 
 
 def sweep(model, rows: range, context: int, steps: int, bandwidth: float) -> list[dict]:
+    from tinyvllm.model import decode
     from tinyvllm.model.backend import cuda_ops
-    capacity, out = cuda_ops.GEMV_MAX_ROWS, []
+    from tinyvllm.model.backend.constants import GEMV_DECODE_ROWS, GEMV_MAX_ROWS
+    out = []
     for batch in rows:
         row = {"batch": batch, "floor_ms": floor_ms(model, context, batch, bandwidth)}
-        for mode, fused, gemv_rows in (("fused", True, capacity), ("gemv", False, capacity), ("cublas", False, 0)):
-            if fused and batch > capacity:
-                continue
-            model.fused_decode, cuda_ops.GEMV_MAX_ROWS = fused, gemv_rows
+        for mode, fused, gemv_rows in (("fused", True, GEMV_MAX_ROWS), ("gemv", False, GEMV_MAX_ROWS),
+                                       ("cublas", False, 0)):
+            if gemv_rows and batch > GEMV_MAX_ROWS:
+                continue   # past the kernels' rows every mode is cuBLAS's
+            model.fused_decode = fused
+            decode.GEMV_DECODE_ROWS = cuda_ops.GEMV_DECODE_ROWS = gemv_rows
             row[mode] = ms_per_step(model, batch, context, steps)[0]
-        cuda_ops.GEMV_MAX_ROWS, model.fused_decode = capacity, True
+        decode.GEMV_DECODE_ROWS = cuda_ops.GEMV_DECODE_ROWS = GEMV_DECODE_ROWS
+        model.fused_decode = True
         print(row, flush=True)
         out.append(row)
         model.ops.free_cached_memory()

@@ -17,7 +17,7 @@ import pytest
 from tests.numeric import randn, rel_err
 from tests.test_kernels_compile import NVCC
 from tinyvllm.model.backend import numpy_ops as ops
-from tinyvllm.model.backend.constants import GEMV_MAX_ROWS, nvrtc_defines
+from tinyvllm.model.backend.constants import GEMV_DECODE_ROWS, GEMV_MAX_ROWS, nvrtc_defines
 
 EPS = 1e-5
 
@@ -164,7 +164,10 @@ def decode_both_ways(model, rng, n: int, steps: int = 3):
 
 
 @pytest.mark.parametrize("n", range(1, GEMV_MAX_ROWS + 1))
-def test_fused_decode_gives_the_unfused_bits(model, rng, n):
+def test_fused_decode_gives_the_unfused_bits(model, rng, n, monkeypatch):
+    """Every row count the fused kernels take, not only the GEMV_DECODE_ROWS the engine sends them."""
+    from tinyvllm.model import decode
+    monkeypatch.setattr(decode, "GEMV_DECODE_ROWS", GEMV_MAX_ROWS)
     for step, (fused, unfused, fused_pool, unfused_pool, names) in enumerate(decode_both_ways(model, rng, n)):
         assert {"rms_norm_gemv", "gemv_add"} <= names and not names & {"gemm", "add_rms_norm"}, names
         same_bits(fused, unfused, f"the logits of {n} sequences at step {step}")
@@ -172,7 +175,7 @@ def test_fused_decode_gives_the_unfused_bits(model, rng, n):
         same_bits(fused_pool.v, unfused_pool.v, "the V pool")
 
 
-@pytest.mark.parametrize("n", [GEMV_MAX_ROWS + 1, 13])
+@pytest.mark.parametrize("n", [GEMV_DECODE_ROWS + 1, GEMV_MAX_ROWS + 1, 13])
 def test_more_rows_than_gemv_takes_the_unfused_layer(model, rng, n):
     for fused, unfused, _, _, names in decode_both_ways(model, rng, n, steps=1):
         assert "gemm" in names and not names & {"rms_norm_gemv", "gemv_add"}, names
@@ -186,7 +189,7 @@ def test_the_switches_keep_the_unfused_layer(model, rng):
     from tinyvllm.model.decode import decode_step, uses_fused_layer
     from tinyvllm.model.kv_pool import ContiguousKVCache
     from tinyvllm.model.prefill import prefill
-    assert uses_fused_layer(model, 1) and not uses_fused_layer(model, GEMV_MAX_ROWS + 1)
+    assert uses_fused_layer(model, 1) and not uses_fused_layer(model, GEMV_DECODE_ROWS + 1)
     ids = rng.integers(0, model.cfg.vocab_size, 20).tolist()
     cache = ContiguousKVCache(model.cfg, model.ops, num_seqs=1, max_len=32)
     prefill(model, ids, cache=cache)

@@ -148,14 +148,15 @@ def test_gpu_sampling_matches_cpu_sampling(rng):
 @pytest.mark.parametrize("K, N, f32_out", [(2048, 3072, False), (8192, 2048, False), (576, 49152, True),
                                           (2048, 1000, True)])
 def test_gemv_kernel_matches_twin(n, K, N, f32_out, rng):
-    """Decode's GEMMs (n <= 8 rows) go through kernels/gemv.cu; out is a column slice of a wider buffer."""
+    """kernels/gemv.cu for 1 to GEMV_MAX_ROWS rows (the engine sends it GEMV_DECODE_ROWS); out is a column slice
+    of a wider buffer."""
     import cupy as cp
 
     from tinyvllm.model.backend import cuda_ops
     x32, x = bf16_pair(rng, (n, K))
     w32, w = bf16_pair(rng, (N, K), scale=K ** -0.5)
     wide = cp.full((n, N + 24), np.nan, np.float32) if f32_out else nan_bf16((n, N + 24))
-    cuda_ops.gemm(x, w, wide[:, 8:8 + N])
+    cuda_ops.gemv(x, w, wide[:, 8:8 + N])
     got = cp.asnumpy(wide) if f32_out else from_bf16(wide)
     assert np.isnan(got[:, :8]).all() and np.isnan(got[:, 8 + N:]).all(), "wrote outside its columns"
     expected = np.empty((n, N), np.float32)

@@ -179,7 +179,15 @@ def greedy(model, prompts: list[list[int]], steps: int, fused: bool, graphs: boo
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("n", [1, 5, 8])
-def test_fused_decode_matches_unfused(model, n, graphs):
+def test_fused_decode_matches_unfused(model, n, graphs, monkeypatch):
+    """The fused layer for every row count its kernels take (the engine sends them GEMV_DECODE_ROWS rows at
+    most: above that, cuBLAS is faster), against the unfused layer on gemv."""
+    from tinyvllm.model import decode
+    from tinyvllm.model.backend import cuda_ops
+    from tinyvllm.model.backend.constants import GEMV_MAX_ROWS
+    monkeypatch.setattr(decode, "GEMV_DECODE_ROWS", GEMV_MAX_ROWS)
+    monkeypatch.setattr(cuda_ops, "GEMV_DECODE_ROWS", GEMV_MAX_ROWS)
+    assert decode.uses_fused_layer(model, n)
     seed = 40 + n
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, model.cfg.vocab_size, int(rng.integers(1, 60))).tolist() for _ in range(n)]

@@ -4,7 +4,7 @@ Floating-point addition is not associative: summed in another order, the same nu
 differs in its last bits, and one flipped bit in a logit can change a greedy token, after which the two
 answers part. Two operations choose their order by the batch:
 
-  gemm             the gemv kernel up to GEMV_MAX_ROWS rows, cuBLAS above it — and cuBLAS picks its tiling
+  gemm             the gemv kernel up to GEMV_DECODE_ROWS rows, cuBLAS above it — and cuBLAS picks its tiling
                    and its split of K from the shape, so row i's dot products are summed differently at
                    T = 3 and T = 300;
   paged_attention  splits a context between thread blocks only when the batch is small (too few blocks
@@ -23,7 +23,7 @@ gemv, which sums otherwise than its GEMM (`gemm_invariant` pads it to two), and 
 groups a row's sums by the prompt's length (`prefill_attention_invariant` and `chunk_attention_invariant`
 attend one query at a time, as a decode query does). Every backend provides the `_invariant` forms.
 
-Chapter 8's fused decode kernels are withheld: they run only up to GEMV_MAX_ROWS rows, so a sequence would switch
+Chapter 8's fused decode kernels are withheld: they run only up to GEMV_DECODE_ROWS rows, so a sequence would switch
 between them and the unfused layer as its batch grows, and nothing makes the two sum alike (the fused norm's
 block reduction matches add_rms_norm's only while their block sizes agree). The mode keeps the unfused layer.
 """

@@ -115,4 +115,4 @@ class GraphedDecode:
             ops.paged_attention(qkv, pool.k[layer], pool.v[layer], tables, lengths, attn, H)
 
         decode_rows(model, self.ids[:size], self.positions[:size], self.slots[:size], pool, attend,
-                    out=self.logits[:size])  # the fused layer (chapter 8) for buckets of up to GEMV_MAX_ROWS rows
+                    out=self.logits[:size])  # the fused layer (chapter 8) for buckets of up to GEMV_DECODE_ROWS rows

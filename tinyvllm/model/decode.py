@@ -12,14 +12,14 @@ sequence's position, and attention reads the new query against the pool instead 
     residual --add_rms_norm--> normed --gemm--> qkv --rope(positions)--> qkv --store_kv--> pool
     --decode_attention(pool)--> attn_out --gemm--> delta ... (the MLP as in prefill)
 
-Chapter 8: a step of up to GEMV_MAX_ROWS rows runs the same layer in fewer, fatter kernels instead
+Chapter 8: a step of up to GEMV_DECODE_ROWS rows runs the same layer in fewer, fatter kernels instead
 (fused.py), unless model.fused_decode is off or the backend does not offer them (the batch-invariant mode).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.model.backend.constants import GEMV_MAX_ROWS
+from tinyvllm.model.backend.constants import GEMV_DECODE_ROWS
 from tinyvllm.model.fused import final_logits_fused, offers_fused_ops, run_layers_fused
 from tinyvllm.model.model import Model, final_logits, run_layers
 from tinyvllm.model.step_plan import SeqStep
@@ -41,9 +41,9 @@ def decode_batch(model: Model, pool, steps: list[SeqStep]):
 
 
 def uses_fused_layer(model: Model, rows: int) -> bool:
-    """Whether a decode step of `rows` rows runs chapter 8's fused layer: up to GEMV_MAX_ROWS rows (the gemv range),
+    """Whether a decode step of `rows` rows runs chapter 8's fused layer: up to GEMV_DECODE_ROWS rows (gemv's range),
     model.fused_decode on, and a backend that offers the fused kernels (the batch-invariant mode does not)."""
-    return model.fused_decode and rows <= GEMV_MAX_ROWS and offers_fused_ops(model.ops)
+    return model.fused_decode and rows <= GEMV_DECODE_ROWS and offers_fused_ops(model.ops)
 
 
 def decode_rows(model: Model, ids, positions, slots, pool, attend, out=None):

@@ -31,8 +31,8 @@ instead of 10 (kernels/fused_decode.cu; bytes for Llama 3.2 1B at T rows):
 and the final norm with the lm_head is one rms_norm_gemv with fp32 logits. Every block of a norm kernel
 recomputes the norm of the rows it needs (T x 8 KB from L2) rather than wait for another kernel to write it.
 
-The fused kernels exist for up to GEMV_MAX_ROWS rows (gemv's range; above it cuBLAS's tiled GEMMs make the
-weights' reads count for many rows, and the unfused layer stays). Each one rounds exactly as the ops it replaces,
+The fused kernels take up to GEMV_MAX_ROWS rows, and the engine runs them for up to GEMV_DECODE_ROWS (gemv's
+range: above it cuBLAS's tensor cores make the weights' reads count for many rows, and the unfused layer stays). Each one rounds exactly as the ops it replaces,
 so the fused layer gives the unfused layer's logits (on the CPU bit for bit: the twins in numpy_ops.py are those
 ops, in that order). The batch-invariant mode (batch_invariant.py) does not offer these ops and keeps the
 unfused layer.

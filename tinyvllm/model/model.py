@@ -72,7 +72,7 @@ class Layer:
 
 
 class Model:
-    fused_decode = True  # chapter 8: decode steps of up to GEMV_MAX_ROWS rows run fused.py's layer; False: run_layers
+    fused_decode = True  # chapter 8: decode steps of up to GEMV_DECODE_ROWS rows run fused.py's layer; False: run_layers
 
     def __init__(self, model_dir: str | Path, device: str = "auto", max_step_tokens: int = 2048,
                  max_model_len: int | None = None, batch_invariant: bool = False):

@@ -32,7 +32,11 @@ SPLIT_MAX_ROWS = 16  # paged attention splits a context only for up to this many
 MAX_SPLITS = 16  # ... into at most this many parts: batch 1 x 8 K/V heads x 16 = 128 blocks, ~1 per SM of an H200
 
 # gemv (chapter 5): decode's projections for a handful of rows
-GEMV_MAX_ROWS = 8  # gemm uses gemv up to this many rows (decode at small batch); a thread keeps one sum per row
+GEMV_MAX_ROWS = 8  # the most rows gemv and the fused kernels take (their templates): a thread keeps one sum per row
+# decode steps of up to this many rows use gemv and the fused layer, more rows go to cuBLAS: on CUDA cores every
+# extra row is 8 more FMAs per 16-byte weight load, and bench/gemv_rows.py measured cuBLAS's tensor cores ahead
+# from 2 rows on an H200 (a step of 2 rows 1.48 ms vs 1.57 fused; of 8 rows 1.50 vs 3.41)
+GEMV_DECODE_ROWS = 1
 GEMV_COLUMNS_PER_BLOCK = 8  # one output column per warp
 GEMV_THREADS = 256  # GEMV_COLUMNS_PER_BLOCK warps of 32
 GEMV_LOADS = 4  # 16-byte weight loads a lane issues before using any (chapter 8): 4 beat 8 and 16 on an H200

@@ -18,6 +18,7 @@ from tinyvllm.model.backend.constants import (
     DECODE_THREADS,
     FUSED_BLOCKS_PER_SM,
     GEMV_COLUMNS_PER_BLOCK,
+    GEMV_DECODE_ROWS,
     GEMV_MAX_ROWS,
     GEMV_THREADS,
     MAX_SPLITS,
@@ -54,11 +55,18 @@ def kernel(file: str, name: str) -> cp.RawKernel:
 
 
 def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
-    """out (T, N) = x (T, K) @ w (N, K)^T: cuBLAS (chapter 4), or for up to GEMV_MAX_ROWS rows (decode at small
-    batch) the gemv kernel, which streams the weights (chapter 5)."""
+    """out (T, N) = x (T, K) @ w (N, K)^T: cuBLAS (chapter 4), or for up to GEMV_DECODE_ROWS rows (decode at
+    batch 1) the gemv kernel, which streams the weights (chapter 5)."""
     T, K = x.shape
-    if T > GEMV_MAX_ROWS or K % BF16_PER_VECTOR:
+    if T > GEMV_DECODE_ROWS or K % BF16_PER_VECTOR:
         return gemm_cublas(x, w, out)
+    gemv(x, w, out)
+
+
+def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
+    """gemm by kernels/gemv.cu, up to GEMV_MAX_ROWS rows: one warp per output column, the weights read once."""
+    T, K = x.shape
+    assert T <= GEMV_MAX_ROWS and K % BF16_PER_VECTOR == 0, "gemv: up to GEMV_MAX_ROWS rows, 16-byte loads"
     assert x.strides == w.strides == (2 * K, 2) and out.strides[1] == out.itemsize and out.shape == (T, w.shape[0])
     f32 = out.dtype == np.float32
     N = w.shape[0]

@@ -5,7 +5,7 @@
 // Layout: gate_up bf16 (T, 2 * inter) = [gate | up] per row; act bf16 (T, inter).
 #include "common.cuh"
 #ifndef BF16_PER_VECTOR
-#error "BF16_PER_VECTOR comes from backend/constants.py (nvrtc_defines)"
+#error "BF16_PER_VECTOR comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
 
 extern "C" __global__ void swiglu(const __nv_bfloat16* gate_up, __nv_bfloat16* act, int tokens, int inter) {
