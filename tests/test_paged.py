@@ -142,7 +142,7 @@ def test_paged_attention_twin_equals_contiguous_attention(heads, kv_heads, head_
     starts = np.concatenate([[0], np.cumsum(LENGTHS)[:-1]]).astype(np.int32)
     contiguous = np.full((n, q_cols), np.nan, np.float32)
     numpy_ops.decode_attention(qkv, k_flat, v_flat, starts, lengths, contiguous, heads)
-    np.testing.assert_allclose(paged, contiguous, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(paged, contiguous, rtol=1e-5, atol=1e-5)  # the same sums, another order
     for b, (k, v) in enumerate(seqs):  # and both equal torch's attention
         expected = torch_attention(qkv[b, :q_cols].reshape(1, heads, head_dim), k, v, len(k) - 1)[0]
         assert rel_err(paged[b], expected) < 1e-5
@@ -188,7 +188,9 @@ def test_paged_decode_equals_contiguous_decode(smol):
         slots = slot_mapping(blocks.tables[s], 0, blocks.lengths[s])
         for layer in (0, smol.cfg.num_hidden_layers - 1):
             for x, y in zip((paged.k[layer, slots], paged.v[layer, slots]), contiguous.view(s, layer)):
-                np.testing.assert_array_equal(x, y)
+                # the prompts' K/V are bit for bit the same; the decoded tokens' went through two attention
+                # twins that sum in another order (whole rows, and chapter 5's kernel chunks)
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
 def test_pool_sizing_on_the_cpu(smol):
