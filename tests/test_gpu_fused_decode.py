@@ -73,7 +73,7 @@ def test_rms_norm_gemv(ops, rng, T, K, N, f32):
     np.testing.assert_array_equal(ops.to_host(res), residual, err_msg="the residual is read only")
     normed, unfused = nan_bf16((T, K)), poisoned((T, N), f32)
     ops.add_rms_norm(res, None, norm, normed, EPS)
-    ops.gemm(normed, w, unfused)
+    ops.gemv(normed, w, unfused)  # the gemv kernel, which the fused ones extend (gemm sends 2+ rows to cuBLAS)
     same_bits(wide[:, 8:8 + N], unfused, "rms_norm_gemv")
 
 
@@ -89,7 +89,7 @@ def test_rms_norm_gemv_swiglu(ops, rng, T, K, inter):
     assert err < 1e-2, f"relative error {err:.2e} against the twin"
     normed, gate_up, unfused = nan_bf16((T, K)), nan_bf16((T, 2 * inter)), nan_bf16((T, inter))
     ops.add_rms_norm(res, None, norm, normed, EPS)
-    ops.gemm(normed, w, gate_up)
+    ops.gemv(normed, w, gate_up)
     ops.swiglu(gate_up, unfused)
     same_bits(act, unfused, "rms_norm_gemv_swiglu")
 
@@ -109,7 +109,7 @@ def test_gemv_add(ops, rng, T, K, N):
     err = rel_err(ops.to_host(res) - residual, expected - residual)
     assert err < 1e-2, f"relative error {err:.2e} of the added delta against the twin"
     delta, unfused, normed = nan_bf16((T, N)), cp.asarray(residual), nan_bf16((T, N))
-    ops.gemm(x, w, delta)
+    ops.gemv(x, w, delta)
     ops.add_rms_norm(unfused, delta, bf16_pair(rng, (N,))[1], normed, EPS)   # its first step: residual += delta
     same_bits(res, unfused, "gemv_add")
 
