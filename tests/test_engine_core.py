@@ -6,7 +6,7 @@ import pickle
 
 from tinyvllm.engine.engine import Engine
 from tinyvllm.engine.engine_config import EngineConfig
-from tinyvllm.engine.engine_core import Add, EngineCore, Report
+from tinyvllm.engine.engine_core import Add, EngineCore, Report, Update, report_from
 from tinyvllm.engine.sampling import SamplingParams
 
 
@@ -30,7 +30,7 @@ class Reports:
         self.events, self.sent = events, []
 
     def send(self, data: bytes) -> None:
-        self.sent.append(pickle.loads(data))
+        self.sent.append(report_from(data))
         self.events.append("report")
 
 
@@ -55,7 +55,7 @@ def test_a_step_is_reported_while_the_next_one_runs(tiny_model_dir, rng):
         assert events[launched_next + 1] == "report", f"step {k}'s report was not sent while step {k + 1} ran"
     got: dict[str, list[int]] = {}
     for report in reports.sent:
-        assert isinstance(report, Report)
+        assert isinstance(report, Report) and all(isinstance(u, Update) for u in report.updates)
         for update in report.updates:
             got.setdefault(update.request_id, []).extend(update.token_ids)
     finished = {u.request_id: u.finish_reason for r in reports.sent for u in r.updates if u.finish_reason}

@@ -58,7 +58,7 @@ class Recent:
         self.preemptions = 0
 
     def add(self, report: Report, now: float) -> None:
-        tokens = report.tokens   # every API server's requests (with several, this one sees its own only)
+        tokens = report.tokens
         if report.step is not None:
             self.preemptions += len(report.step["preempted"])
         second = int(now)

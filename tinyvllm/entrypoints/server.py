@@ -182,7 +182,7 @@ class AsyncEngine:
 
     def _dispatch_one(self, update: Update, now: float) -> None:
         choice = self.choices.get(update.request_id)
-        if choice is None:                  # aborted a moment ago: its last tokens have nowhere to go
+        if choice is None:   # another API server's request, or aborted a moment ago: its tokens are not ours
             return
         waited = choice.first_token_time is None
         choice.apply(update, now, self.metrics)
