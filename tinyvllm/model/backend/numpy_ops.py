@@ -121,8 +121,9 @@ def swiglu(gate_up: np.ndarray, act: np.ndarray) -> None:
     inter = act.shape[1]
     assert gate_up.shape[1] == 2 * inter, "gate_up rows are [gate | up], 2 * inter wide"
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    np.negative(gate, out=act)                                 # in act: no temporary for -gate
     with np.errstate(over="ignore"):                           # exp(-gate) = inf for gate < -88: silu -> -0
-        np.exp(-gate, out=act)
+        np.exp(act, out=act)
     act += F32(1)
     np.divide(gate, act, out=act)                              # silu(g) = g / (1 + exp(-g)), as the kernel
     act *= up
