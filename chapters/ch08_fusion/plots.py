@@ -19,6 +19,7 @@ from matplotlib.figure import Figure  # no pyplot: the same code draws for files
 from chapters.ch08_fusion import fusion
 from tinyvllm.formats.checkpoints import PRESETS
 from tinyvllm.formats.config import LlamaConfig
+from tinyvllm.model.backend.constants import GEMV_DECODE_ROWS
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -292,7 +293,8 @@ def measured_after_fusion_markdown(results_dir: Path = RESULTS_DIR) -> str:
             lines.append(f"| {label} | {before:.3f} ({before / floor:.2f}x) | {after:.3f} ({after / floor:.2f}x) |")
     if "batches" in result:
         lines += ["", "With CUDA graphs (chapter 7), ms per token (x the floor at that batch: weights once, K/V of "
-                  "every sequence); above 8 rows the unfused layer runs either way:", "",
+                  f"every sequence); above GEMV_DECODE_ROWS = {GEMV_DECODE_ROWS} row the unfused layer runs either "
+                  "way, on cuBLAS (`bench/gemv_rows.py`):", "",
                   "| batch | floor, ms | unfused | fused | op calls per step |", "|---:|---:|---:|---:|---:|"]
         for b in result["batches"]:
             u, f = b["unfused"], b["fused"]

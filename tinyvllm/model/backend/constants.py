@@ -35,7 +35,7 @@ MAX_SPLITS = 16  # ... into at most this many parts: batch 1 x 8 K/V heads x 16 
 GEMV_MAX_ROWS = 8  # the most rows gemv and the fused kernels take (their templates): a thread keeps one sum per row
 # decode steps of up to this many rows use gemv and the fused layer, more rows go to cuBLAS: on CUDA cores every
 # extra row is 8 more FMAs per 16-byte weight load, and bench/gemv_rows.py measured cuBLAS's tensor cores ahead
-# from 2 rows on an H200 (a step of 2 rows 1.48 ms vs 1.57 fused; of 8 rows 1.50 vs 3.41)
+# from 2 rows on an H200 (gemv_rows-20261202-032104.json: a step of 2 rows 1.43 ms vs 1.49 fused; of 8, 1.51 vs 3.42)
 GEMV_DECODE_ROWS = 1
 GEMV_COLUMNS_PER_BLOCK = 8  # one output column per warp
 GEMV_THREADS = 256  # GEMV_COLUMNS_PER_BLOCK warps of 32
