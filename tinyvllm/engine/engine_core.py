@@ -12,9 +12,9 @@ server over two ZeroMQ sockets —
 With several API-server processes (`serve --api-server-count N`, api_servers.py) each has its own pair of
 sockets; every step's Report, pickled once, goes to all of them, and each keeps its own requests' tokens.
 
-A step's Report goes out while the GPU runs the next step: the loop launches step N + 1 (engine.launch_step,
-which returns as soon as the kernels are queued), pickles and sends step N's Report, then waits for step
-N + 1's tokens (engine.finish_step). Commands are still applied before a launch, never while a step is in
+A step's Report goes out while the GPU runs the next step: the loop pickles step N's Report as step N left
+things, launches step N + 1 (engine.launch_step, which returns as soon as the kernels are queued), sends the
+Report, then waits for step N + 1's tokens (engine.finish_step). Commands are still applied before a launch, never while a step is in
 flight, so an Abort never frees blocks that running kernels write.
 
 The engine core does not detokenize token by token (the API side does, while the next step runs), except
@@ -122,7 +122,7 @@ class EngineCore:
                      time.perf_counter() - self.started - self.busy - self.idle, self.idle)
 
     def _loop(self) -> None:
-        outbox: tuple | None = None   # the last step's Report, sent while the GPU runs the next step
+        outbox: bytes | None = None   # the last step's Report, pickled, sent while the GPU runs the next step
         while True:
             updates: list[Update] = []
             was_idle = not self.engine.has_work() and not self.deferred and outbox is None
@@ -137,29 +137,32 @@ class EngineCore:
             while self.commands.poll(0):
                 command = pickle.loads(self.commands.recv())
                 if command is None:
-                    return self._report(*outbox) if outbox is not None else None   # the last tokens still go out
+                    return self._send(outbox) if outbox is not None else None   # the last tokens still go out
                 self._apply(command, updates)
             for command in self._ready_samples():
                 self._apply(command, updates)
             stepping = time.perf_counter()
             launched = self._launch(updates) if self.engine.has_work() else None
             self.busy += time.perf_counter() - stepping
-            if outbox is not None:   # pickling and sending overlap the kernels just launched
-                self._report(*outbox)
+            if outbox is not None:   # sending overlaps the kernels just launched
+                self._send(outbox)
             stepping = time.perf_counter()
             step = self._finish(launched, updates) if launched is not None else None
             self.busy += time.perf_counter() - stepping
             snapshot = self._snapshot() if self.snapshot_asked else None   # nobody watching: this `if` is all
-            outbox = (updates, step, snapshot)
+            # pickled now, as the step left things: the next launch changes the scheduler the snapshot reads
+            outbox = self._report(updates, step, snapshot)
             if launched is None:     # nothing in flight to hide the sending behind: send now
-                self._report(*outbox)
+                self._send(outbox)
                 outbox = None
 
-    def _report(self, updates: list[Update], step: dict | None, snapshot: dict | None) -> None:
-        """One Report, pickled once, to every API server: each keeps the updates of its own requests (their ids
-        are unique) and drops the rest, in its own process, instead of this loop sorting and pickling per server."""
+    def _report(self, updates: list[Update], step: dict | None, snapshot: dict | None) -> bytes:
+        """The step's Report, pickled once for every API server: each keeps the updates of its own requests (their
+        ids are unique) and drops the rest, in its own process, instead of this loop sorting and pickling per server."""
         tokens = sum(len(update.token_ids) for update in updates)
-        data = report_bytes(Report(updates, self.stats(), step, snapshot, tokens))
+        return report_bytes(Report(updates, self.stats(), step, snapshot, tokens))
+
+    def _send(self, data: bytes) -> None:
         for socket in self.reports:
             socket.send(data)
 
