@@ -35,7 +35,7 @@ class Reports:
 
 
 def test_a_step_is_reported_while_the_next_one_runs(tiny_model_dir, rng):
-    """Every Report of a step goes out after the next step was launched (its kernels hide the pickling and
+    """Every Report of a step goes out after the next step was launched (its kernels hide the
     sending), the last one once nothing is left to launch, and together they carry every token in order."""
     engine = Engine.from_config(EngineConfig(model=str(tiny_model_dir), device="cpu", num_blocks=64))
     events: list[str] = []
