@@ -205,9 +205,9 @@ def measure(args) -> dict:
     hf_logging.disable_progress_bar()
     llm = LLM(args.model, device="cpu")
     # Every timed prefill takes blocks never used before (the block manager hands them out in order), and the
-    # pool is np.zeros: pages the OS maps at their first write, which then costs a page fault per page (5 ms a
-    # layer on a 2-core VM). transformers' cache reuses memory it already touched; a server has touched its pool
-    # after one pass. Written once here, both engines are timed in that steady state.
+    # pool is np.zeros: pages the OS maps at their first write, each then a page fault (~10 ms for a layer's K
+    # and V on a 2-core VM). transformers' cache reuses memory it already touched; a server has touched its
+    # pool after one pass. Written once here, both engines are timed in that steady state.
     llm.engine.pool.k.fill(0)
     llm.engine.pool.v.fill(0)
     ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
