@@ -14,8 +14,8 @@ sockets; every step's Report, pickled once, goes to all of them, and each keeps 
 
 A step's Report goes out while the GPU runs the next step: the loop pickles step N's Report as step N left
 things, launches step N + 1 (engine.launch_step, which returns as soon as the kernels are queued), sends the
-Report, then waits for step N + 1's tokens (engine.finish_step). Commands are still applied before a launch, never while a step is in
-flight, so an Abort never frees blocks that running kernels write.
+Report, then waits for step N + 1's tokens (engine.finish_step). Commands are still applied before a launch,
+never while a step is in flight, so an Abort never frees blocks that running kernels write.
 
 The engine core does not detokenize token by token (the API side does, while the next step runs), except
 when stop strings need the text to decide where the output ends; its Update carries token ids. Nothing a request carries can
@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import zmq
 
@@ -43,6 +43,9 @@ from tinyvllm.engine.sampling import SamplingParams
 from tinyvllm.engine.sequence import Sequence, Status
 from tinyvllm.engine.snapshot import take_snapshot
 from tinyvllm.errors import TinyVLLMError
+
+if TYPE_CHECKING:   # the model code is imported by the engine process alone (run_engine_core)
+    from tinyvllm.engine.engine import LaunchedStep
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600      # loading a model (and compiling kernels) on a cold machine takes minutes at worst
@@ -125,6 +128,7 @@ class EngineCore:
         outbox: bytes | None = None   # the last step's Report, pickled, sent while the GPU runs the next step
         while True:
             updates: list[Update] = []
+            # idle: nothing to run or to send (a sample 0 done at once frees its siblings: deferred counts)
             was_idle = not self.engine.has_work() and not self.deferred and outbox is None
             while was_idle:                                         # idle: sleep until a command arrives
                 start = time.perf_counter()
@@ -201,7 +205,7 @@ class EngineCore:
         del self.sent[request_id], self.names[seq.seq_id]
         return seq
 
-    def _launch(self, updates: list[Update]):
+    def _launch(self, updates: list[Update]) -> LaunchedStep | None:
         try:
             return self.engine.launch_step()
         except Exception as e:
@@ -214,7 +218,7 @@ class EngineCore:
             self.engine.abort(self._forget(request_id))
             updates.append(Update(request_id, [], None, None, "error", f"the engine failed: {one_line(e)}"))
 
-    def _finish(self, launched, updates: list[Update]) -> dict | None:
+    def _finish(self, launched: LaunchedStep, updates: list[Update]) -> dict | None:
         try:
             released = self.engine.finish_step(launched)
         except Exception as e:
@@ -259,8 +263,8 @@ class EngineCore:
 
 def report_bytes(report: Report) -> bytes:
     """A Report for the socket, its Updates as plain tuples: pickle spends ~5x longer on a named tuple than on
-    a plain one (128 Updates: 128 us against 23 us on a 2-core CPU), and the engine core pickles a Report per
-    API server every step, in the loop's own time."""
+    a plain one (128 Updates: 128 us against 23 us on a 2-core CPU), and the engine core pickles a Report every
+    step, in the loop's own time."""
     return pickle.dumps(report._replace(updates=[tuple(u) for u in report.updates]), pickle.HIGHEST_PROTOCOL)
 
 

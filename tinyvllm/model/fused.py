@@ -32,8 +32,8 @@ and the final norm with the lm_head is one rms_norm_gemv with fp32 logits. Every
 recomputes the norm of the rows it needs (T x 8 KB from L2) rather than wait for another kernel to write it.
 
 The fused kernels take up to GEMV_MAX_ROWS rows, and the engine runs them for up to GEMV_DECODE_ROWS (gemv's
-range: above it cuBLAS's tensor cores make the weights' reads count for many rows, and the unfused layer stays). Each one rounds exactly as the ops it replaces,
-so the fused layer gives the unfused layer's logits (on the CPU bit for bit: the twins in numpy_ops.py are those
+range: above it cuBLAS's tensor cores make the weights' reads count for many rows, and the unfused layer
+stays). Each one rounds exactly as the ops it replaces, so the fused layer gives the unfused layer's logits (on the CPU bit for bit: the twins in numpy_ops.py are those
 ops, in that order). The batch-invariant mode (batch_invariant.py) does not offer these ops and keeps the
 unfused layer.
 """
