@@ -14,13 +14,16 @@ BF16_PER_VECTOR = 8  # bf16 values in one 16-byte vector load (uint4): what a ke
 # Row kernels (embedding, add_rms_norm, rope, swiglu): one block per row; they read blockDim, so any multiple
 # of 32 works (block_sum's warps) and the value lives here alone, not in their code
 ROWS = 256  # 8 warps stride over a row: 576 (SmolLM2) to 2048 (Llama 3.2 1B) columns in 3 to 8 steps
+NORM_VECTOR = 4  # columns add_rms_norm's threads take at once (a 16-byte fp32 load): hidden sizes must be multiples
 ARGMAX_THREADS = 1024  # one block scans a whole vocabulary row: the most a block may have, a power of 2 for the tree
 STORE_KV_THREADS = 128  # 8 bf16 each: 1024 K (and V) columns in one pass, 8 K/V heads x 128 (Llama 3.1 8B)
 
 # Prefill attention (chapter 3): PREFILL_TILE query rows per block, PREFILL_KEY_TILE keys per K/V tile
-PREFILL_TILE = 128  # 8 warps x 16 rows (the m16n8k16 tile): each K/V tile loaded serves 128 queries
+PREFILL_TILE = 128  # query rows per block: each K/V tile loaded serves 128 queries
 PREFILL_KEY_TILE = 64  # keys per tile: a warp's scores stay 64 registers; Q + 2 x (K + V) at d 128: 102 KiB smem
-PREFILL_THREADS = 256  # one warp per 16 query rows of the tile: PREFILL_TILE / 16 warps
+PREFILL_WARP_ROWS = 16  # query rows per warp, whole m16n8k16 tiles: with 32, each K/V fragment loaded feeds 2 products
+PREFILL_THREADS = PREFILL_TILE // PREFILL_WARP_ROWS * 32  # one warp per PREFILL_WARP_ROWS rows of the tile
+PREFILL_BLOCKS_PER_SM = 2  # __launch_bounds__ minimum at head_dim <= 64: caps registers at 128 so two blocks fit an SM
 PREFILL_KV_STAGES = 2  # K/V tiles in flight: cp.async fills one stage while the warps compute on the other
 PREFILL_SMEM_PAD = 8  # bf16 per shared-memory row past head_dim: a warp's 8 rows land in different banks
 PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # prefill_attention.cu instantiates one kernel for each (ATTENTION_KERNEL)
@@ -60,12 +63,15 @@ def decode_thread_groups(head_dim: int) -> int:
 KERNEL_CONSTANTS = {
     "BLOCK_SIZE": BLOCK_SIZE,
     "BF16_PER_VECTOR": BF16_PER_VECTOR,
+    "NORM_VECTOR": NORM_VECTOR,
     "ARGMAX_THREADS": ARGMAX_THREADS,
     "STORE_KV_THREADS": STORE_KV_THREADS,
     "PREFILL_TILE": PREFILL_TILE,
     "PREFILL_KEY_TILE": PREFILL_KEY_TILE,
+    "PREFILL_WARP_ROWS": PREFILL_WARP_ROWS,
     "PREFILL_THREADS": PREFILL_THREADS,
     "PREFILL_KV_STAGES": PREFILL_KV_STAGES,
+    "PREFILL_BLOCKS_PER_SM": PREFILL_BLOCKS_PER_SM,
     "PREFILL_SMEM_PAD": PREFILL_SMEM_PAD,
     "DECODE_THREADS": DECODE_THREADS,
     "GEMV_MAX_ROWS": GEMV_MAX_ROWS,

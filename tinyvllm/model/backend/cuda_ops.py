@@ -22,6 +22,7 @@ from tinyvllm.model.backend.constants import (
     GEMV_MAX_ROWS,
     GEMV_THREADS,
     MAX_SPLITS,
+    NORM_VECTOR,
     PREFILL_HEAD_DIMS,
     PREFILL_KEY_TILE,
     PREFILL_KV_STAGES,
@@ -191,6 +192,7 @@ def add_rms_norm(residual: cp.ndarray, delta: cp.ndarray | None, weight: cp.ndar
                  eps: float) -> None:
     _rows_ok(residual, delta, out)
     T, hidden = residual.shape
+    assert hidden % NORM_VECTOR == 0 and residual.data.ptr % 16 == 0, "rms_norm.cu takes 4 columns at a time"
     kernel("rms_norm", "add_rms_norm")((T,), (ROWS,), (residual, delta if delta is not None else np.uint64(0), weight, out,
                                                         np.float32(eps), np.int32(hidden)))
 
@@ -217,7 +219,7 @@ def prefill_attention(qkv: cp.ndarray, out: cp.ndarray, num_heads: int, num_kv_h
     k = kernel("prefill_attention", f"prefill_attention_d{head_dim}")
     smem = prefill_smem(head_dim)
     k.max_dynamic_shared_size_bytes = smem
-    k((-(-T // PREFILL_TILE), num_heads), (PREFILL_THREADS,),
+    k((num_heads, -(-T // PREFILL_TILE)), (PREFILL_THREADS,),
       (qkv, out, np.int32(T), np.int32(num_heads), np.int32(num_kv_heads), np.int32(qkv.strides[0] // 2),
        np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)), shared_mem=smem)
 
@@ -307,7 +309,7 @@ def chunk_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, b
     k = kernel("prefill_attention", f"chunk_attention_d{head_dim}")
     smem = prefill_smem(head_dim)
     k.max_dynamic_shared_size_bytes = smem
-    k((-(-T // PREFILL_TILE), num_heads), (PREFILL_THREADS,),
+    k((num_heads, -(-T // PREFILL_TILE)), (PREFILL_THREADS,),
       (qkv, k_cache, v_cache, block_table, np.int32(start), out, np.int32(T), np.int32(num_heads), np.int32(kv_heads),
        np.int32(qkv.strides[0] // 2), np.int32(out.strides[0] // 2), np.float32(head_dim ** -0.5)), shared_mem=smem)
 

@@ -48,6 +48,20 @@ __device__ __forceinline__ void block_sums(float (&v)[NB]) {
 // What a bf16 buffer would hand the next kernel: v rounded to bf16 (round to nearest even) and widened back
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// 4 bf16 values, loaded as one 8-byte vector, to fp32 (p 8-byte aligned)
+__device__ __forceinline__ void bf16x4_to_float(const __nv_bfloat16* p, float* out) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    float2 a = __bfloat1622float2(pairs[0]), b = __bfloat1622float2(pairs[1]);
+    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
+}
+
+// 4 fp32 values rounded to bf16 and stored as one 8-byte vector (p 8-byte aligned)
+__device__ __forceinline__ void float_to_bf16x4(const float* v, __nv_bfloat16* p) {
+    __nv_bfloat162 pairs[2] = {__floats2bfloat162_rn(v[0], v[1]), __floats2bfloat162_rn(v[2], v[3])};
+    *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(pairs);
+}
+
 // 8 bf16 values, loaded as one 16-byte vector, to fp32
 __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* out) {
     const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);

@@ -21,6 +21,9 @@
 #ifndef GEMV_THREADS
 #error "GEMV_THREADS comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
+#ifndef NORM_VECTOR
+#error "NORM_VECTOR comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
 #ifndef FUSED_BLOCKS_PER_SM
 #error "FUSED_BLOCKS_PER_SM comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
@@ -36,9 +39,14 @@ template <int NB>
 __device__ void rms_norm_rows(const float* residual, const __nv_bfloat16* weight, __nv_bfloat16* normed, float eps,
                               int K) {
     float sum_sq[NB] = {}, scale[NB];
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {  // all rows' loads in flight together
+    for (int i = threadIdx.x * NORM_VECTOR; i < K; i += blockDim.x * NORM_VECTOR) {  // all rows' loads in flight
         #pragma unroll
-        for (int b = 0; b < NB; ++b) sum_sq[b] += residual[(long long)b * K + i] * residual[(long long)b * K + i];
+        for (int b = 0; b < NB; ++b) {
+            float v[NORM_VECTOR];
+            *reinterpret_cast<float4*>(v) = *reinterpret_cast<const float4*>(residual + (long long)b * K + i);
+            #pragma unroll
+            for (int j = 0; j < NORM_VECTOR; ++j) sum_sq[b] += v[j] * v[j];
+        }
     }
     block_sums<NB>(sum_sq);  // one barrier round for the NB rows, each summed in add_rms_norm's order
     #pragma unroll

@@ -8,9 +8,9 @@
 //                           already in the paged pool (a cached prefix, earlier chunks); key j is read from
 //                           slot block_table[j / BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE of k_cache / v_cache
 //                           (the chunk's own K/V were stored there first), for j < start + T.
-// Launch: grid (ceil(T / PREFILL_TILE), num_heads), block (PREFILL_THREADS = 256) = 8 warps x 16 query rows
-//         (PREFILL_TILE = 128: every K/V tile loaded serves 128 queries);
-//         query tiles in reverse order (the longest first); dynamic shared memory
+// Launch: grid (num_heads, ceil(T / PREFILL_TILE)), block (PREFILL_THREADS = 256) = 8 warps x PREFILL_WARP_ROWS
+//         (16) query rows (PREFILL_TILE = 128: every K/V tile loaded serves 128 queries);
+//         query tiles in reverse order, all heads' longest first (bench/attention_tiles.py); dynamic shared memory
 //         (PREFILL_TILE + 2 x PREFILL_KV_STAGES x PREFILL_KEY_TILE) x (head_dim + PREFILL_SMEM_PAD) bf16: the Q tile
 //         and two stages of K and V tiles (rows padded by 8) — cp.async fills one stage while the warps compute
 //         on the other, and ldmatrix reads the tensor-core fragments out of them.
@@ -28,8 +28,14 @@
 #ifndef PREFILL_KEY_TILE
 #error "PREFILL_KEY_TILE comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
+#ifndef PREFILL_WARP_ROWS
+#error "PREFILL_WARP_ROWS comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
 #ifndef PREFILL_THREADS
 #error "PREFILL_THREADS comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef PREFILL_BLOCKS_PER_SM
+#error "PREFILL_BLOCKS_PER_SM comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
 #ifndef PREFILL_KV_STAGES
 #error "PREFILL_KV_STAGES comes from Python (tinyvllm/model/backend/constants.py) through -D"
@@ -43,7 +49,9 @@
 #include "common.cuh"
 
 constexpr int BQ = PREFILL_TILE, BK = PREFILL_KEY_TILE;  // query rows per block, keys per K/V tile
-static_assert(PREFILL_THREADS == BQ / 16 * 32, "one warp per 16 query rows (the m16n8k16 tile)");
+static_assert(PREFILL_WARP_ROWS % 16 == 0 && PREFILL_THREADS == BQ / PREFILL_WARP_ROWS * 32,
+              "one warp per PREFILL_WARP_ROWS query rows, whole m16n8k16 tiles");
+static_assert(PREFILL_KV_STAGES == 2, "the loop below alternates between two K/V stages");
 static_assert(BK % 16 == 0 && PREFILL_SMEM_PAD % 8 == 0, "whole mma tiles; padded rows stay 16-byte aligned");
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
@@ -91,24 +99,32 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const __nv_bfloat1
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
 }
 
+__device__ __forceinline__ float exp2_approx(float x) {  // one MUFU.EX2; exp2(-inf) = 0, denormals flushed
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Query rows 0 .. tokens - 1 (positions start ..) against keys 0 .. start + tokens - 1: k_row(j), v_row(j).
+// A warp holds R = PREFILL_WARP_ROWS / 16 groups of 16 query rows: every K and V fragment it loads feeds R
+// products. Index [r][h] below: row group r, and h = 0 / 1 for the thread's rows g and g + 8 in that group.
 template <int D, typename KRow, typename VRow>
 __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int tokens, int start, int num_heads,
                           int num_kv_heads, int row_stride, int out_stride, float scale, KRow k_row, VRow v_row) {
     extern __shared__ __align__(16) unsigned char smem[];
-    constexpr int LD = D + PREFILL_SMEM_PAD;
+    constexpr int LD = D + PREFILL_SMEM_PAD, R = PREFILL_WARP_ROWS / 16;
     __nv_bfloat16* Qs = (__nv_bfloat16*)smem;
     __nv_bfloat16* Ks = Qs + BQ * LD;                   // PREFILL_KV_STAGES K tiles, then as many V tiles
     __nv_bfloat16* Vs = Ks + PREFILL_KV_STAGES * BK * LD;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    // the longest query tiles (the most keys under the causal mask) first, so no long block starts last
-    const int head = blockIdx.y, kv_head = head / (num_heads / num_kv_heads), q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;  // the two query rows this thread holds
+    // Blocks start in blockIdx order, x fastest: every head's last query tile (the most keys under the causal
+    // mask) first, then every head's next-to-last, ... so no long block starts when the others are finishing
+    const int head = blockIdx.x, kv_head = head / (num_heads / num_kv_heads), q0 = (gridDim.y - 1 - blockIdx.y) * BQ;
+    const int warp_row = q0 + warp * PREFILL_WARP_ROWS;     // this warp's first query row
     const float scale_log2 = scale * 1.4426950408889634f;   // exp(x) = exp2(x log2 e): exp2 is one instruction
     const int keys = start + tokens;
     const int last_key = start + min(q0 + BQ, tokens) - 1;  // causal: later key tiles are fully masked
-    const int pos0 = start + row0, pos1 = start + row1;      // the positions of this thread's two query rows
-    const int warp_first = start + q0 + warp * 16;           // the position of this warp's first query row
+    const int warp_first = start + warp_row;                 // the position of this warp's first query row
     auto load_kv = [&](int k0, int stage) {                  // one commit group: the K and V tiles at key k0
         load_tile_async<D, BK>(Ks + stage * BK * LD, [=](int j) { return k_row(j) + kv_head * D; }, k0, keys);
         load_tile_async<D, BK>(Vs + stage * BK * LD, [=](int j) { return v_row(j) + kv_head * D; }, k0, keys);
@@ -116,9 +132,11 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
 
     load_tile_async<D, BQ>(Qs, [=](int j) { return qkv + (long long)j * row_stride + head * D; }, q0, tokens);
     load_kv(0, 0);
-    unsigned qf[D / 16][4];  // this warp's 16 query rows as A fragments, loaded once
-    float o[D / 8][4] = {};
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's share of the sum
+    unsigned qf[R][D / 16][4];  // this warp's query rows as A fragments, loaded once
+    float o[R][D / 8][4] = {};
+    float m[R][2], l[R][2];     // running max (of the unscaled scores) and this thread's share of the sum
+    #pragma unroll
+    for (int r = 0; r < R; r++) m[r][0] = m[r][1] = -INFINITY, l[r][0] = l[r][1] = 0.0f;
 
     for (int k0 = 0, stage = 0; k0 <= last_key; k0 += BK, stage ^= 1) {
         if (k0 + BK <= last_key) {       // the next tile's copy overlaps this tile's products
@@ -129,86 +147,112 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
         }
         __syncthreads();
         if (k0 == 0)
-            for (int k = 0; k < D / 16; k++) {
-                const __nv_bfloat16* q = Qs + (warp * 16 + g) * LD + k * 16 + 2 * t;
-                qf[k][0] = *(const unsigned*)q;
-                qf[k][1] = *(const unsigned*)(q + 8 * LD);
-                qf[k][2] = *(const unsigned*)(q + 8);
-                qf[k][3] = *(const unsigned*)(q + 8 * LD + 8);
-            }
+            #pragma unroll
+            for (int r = 0; r < R; r++)
+                #pragma unroll
+                for (int k = 0; k < D / 16; k++) {
+                    const __nv_bfloat16* q = Qs + (warp * PREFILL_WARP_ROWS + r * 16 + g) * LD + k * 16 + 2 * t;
+                    qf[r][k][0] = *(const unsigned*)q;
+                    qf[r][k][1] = *(const unsigned*)(q + 8 * LD);
+                    qf[r][k][2] = *(const unsigned*)(q + 8);
+                    qf[r][k][3] = *(const unsigned*)(q + 8 * LD + 8);
+                }
         const __nv_bfloat16* Kt = Ks + stage * BK * LD;
         const __nv_bfloat16* Vt = Vs + stage * BK * LD;
-        if (k0 <= warp_first + 15) {     // else every key of this tile is after all of this warp's rows
+        if (k0 <= warp_first + PREFILL_WARP_ROWS - 1) {  // else every key of this tile is after all this warp's rows
             // S = Q K^T: K's rows are exactly the column-major B operand; one ldmatrix feeds two key groups.
-            float s[BK / 8][4] = {};
+            float s[R][BK / 8][4] = {};
+            #pragma unroll
             for (int n = 0; n < BK / 8; n += 2)
+                #pragma unroll
                 for (int k = 0; k < D / 16; k++) {
                     unsigned b[4];
                     ldmatrix_x4<false>(b, Kt + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + k * 16 + (lane / 8) % 2 * 8);
-                    mma_16x8x16(s[n], qf[k], b);
-                    mma_16x8x16(s[n + 1], qf[k], b + 2);
+                    #pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        mma_16x8x16(s[r][n], qf[r][k], b);
+                        mma_16x8x16(s[r][n + 1], qf[r][k], b + 2);
+                    }
                 }
 
-            // Online softmax: mask (only a tile that reaches past a row's position or the last key needs it),
-            // new running max, rescale what was accumulated, exponentiate.
+            // Online softmax on the unscaled scores (scale > 0 keeps their order): mask (only a tile that reaches
+            // past a row's position or the last key needs it), new running max, rescale, exponentiate with the
+            // scale folded into one fused multiply-add.
             const bool masked = k0 + BK - 1 > warp_first || k0 + BK > keys;
-            float tile0 = -INFINITY, tile1 = -INFINITY;
-            for (int n = 0; n < BK / 8; n++)
-                for (int e = 0; e < 2; e++) {
-                    int key = k0 + n * 8 + 2 * t + e;
-                    s[n][e] = (!masked || (key <= pos0 && key < keys)) ? s[n][e] * scale_log2 : -INFINITY;
-                    s[n][2 + e] = (!masked || (key <= pos1 && key < keys)) ? s[n][2 + e] * scale_log2 : -INFINITY;
-                    tile0 = fmaxf(tile0, s[n][e]);
-                    tile1 = fmaxf(tile1, s[n][2 + e]);
+            unsigned p[R][BK / 16][4];  // probabilities, already in the A-fragment layout of the next product
+            #pragma unroll
+            for (int r = 0; r < R; r++) {
+                float tile[2] = {-INFINITY, -INFINITY};
+                #pragma unroll
+                for (int n = 0; n < BK / 8; n++)
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {  // e: columns 2t + e % 2 of rows g (e < 2) and g + 8
+                        int key = k0 + n * 8 + 2 * t + e % 2, pos = warp_first + r * 16 + g + e / 2 * 8;
+                        if (masked && (key > pos || key >= keys)) s[r][n][e] = -INFINITY;
+                        tile[e / 2] = fmaxf(tile[e / 2], s[r][n][e]);
+                    }
+                float shift[2];  // the new max in exp2 units
+                #pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    #pragma unroll
+                    for (int x = 1; x < 4; x <<= 1)  // the 4 threads sharing a row hold its BK columns
+                        tile[h] = fmaxf(tile[h], __shfl_xor_sync(0xffffffff, tile[h], x));
+                    float new_max = fmaxf(m[r][h], tile[h]);
+                    // A row with no visible key yet (max -inf) shifts by 0: exp2(-inf - 0) = 0, never -inf + inf = NaN
+                    shift[h] = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
+                    float alpha = exp2_approx(fmaf(m[r][h], scale_log2, -shift[h]));  // 0 while nothing was seen
+                    m[r][h] = new_max;
+                    l[r][h] *= alpha;
+                    #pragma unroll
+                    for (int n = 0; n < D / 8; n++) o[r][n][2 * h] *= alpha, o[r][n][2 * h + 1] *= alpha;
                 }
-            for (int x = 1; x < 4; x <<= 1) {  // the 4 threads sharing a row hold its 64 columns
-                tile0 = fmaxf(tile0, __shfl_xor_sync(0xffffffff, tile0, x));
-                tile1 = fmaxf(tile1, __shfl_xor_sync(0xffffffff, tile1, x));
-            }
-            float new0 = fmaxf(m0, tile0), new1 = fmaxf(m1, tile1);
-            // A row with no visible key yet (max -inf) must not compute exp(-inf - -inf) = NaN.
-            float alpha0 = new0 == -INFINITY ? 1.0f : exp2f(m0 - new0);
-            float alpha1 = new1 == -INFINITY ? 1.0f : exp2f(m1 - new1);
-            m0 = new0, m1 = new1;
-            l0 *= alpha0, l1 *= alpha1;
-            for (int n = 0; n < D / 8; n++) o[n][0] *= alpha0, o[n][1] *= alpha0, o[n][2] *= alpha1, o[n][3] *= alpha1;
-            unsigned p[BK / 16][4];  // probabilities, already in the A-fragment layout of the next product
-            for (int n = 0; n < BK / 8; n++) {
-                float p00 = m0 == -INFINITY ? 0.0f : exp2f(s[n][0] - m0), p01 = m0 == -INFINITY ? 0.0f : exp2f(s[n][1] - m0);
-                float p10 = m1 == -INFINITY ? 0.0f : exp2f(s[n][2] - m1), p11 = m1 == -INFINITY ? 0.0f : exp2f(s[n][3] - m1);
-                l0 += p00 + p01, l1 += p10 + p11;
-                p[n / 2][(n % 2) * 2] = pack_bf16(p00, p01);      // row g:   keys 2t, 2t+1 (+8 for odd n)
-                p[n / 2][(n % 2) * 2 + 1] = pack_bf16(p10, p11);  // row g+8
+                #pragma unroll
+                for (int n = 0; n < BK / 8; n++) {
+                    float e[4];
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) e[i] = exp2_approx(fmaf(s[r][n][i], scale_log2, -shift[i / 2]));
+                    l[r][0] += e[0] + e[1], l[r][1] += e[2] + e[3];
+                    p[r][n / 2][(n % 2) * 2] = pack_bf16(e[0], e[1]);      // row g:   keys 2t, 2t+1 (+8 for odd n)
+                    p[r][n / 2][(n % 2) * 2 + 1] = pack_bf16(e[2], e[3]);  // row g+8
+                }
             }
 
             // O += P V: ldmatrix.trans turns 8 keys x 8 value columns into the B fragment (keys 2t, 2t+1 of
             // column g); one call feeds two groups of 8 columns.
+            #pragma unroll
             for (int n = 0; n < D / 8; n += 2)
+                #pragma unroll
                 for (int k = 0; k < BK / 16; k++) {
                     unsigned b[4];
                     ldmatrix_x4<true>(b, Vt + (k * 16 + (lane / 8) % 2 * 8 + lane % 8) * LD + n * 8 + (lane / 16) * 8);
-                    mma_16x8x16(o[n], p[k], b);
-                    mma_16x8x16(o[n + 1], p[k], b + 2);
+                    #pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        mma_16x8x16(o[r][n], p[r][k], b);
+                        mma_16x8x16(o[r][n + 1], p[r][k], b + 2);
+                    }
                 }
         }
         __syncthreads();  // everyone is done with this stage before the next iteration's copy overwrites it
     }
 
-    for (int x = 1; x < 4; x <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffff, l0, x);
-        l1 += __shfl_xor_sync(0xffffffff, l1, x);
-    }
-    for (int n = 0; n < D / 8; n++) {
-        int col = head * D + n * 8 + 2 * t;
-        if (row0 < tokens)
-            *(unsigned*)(out + (long long)row0 * out_stride + col) = pack_bf16(o[n][0] / l0, o[n][1] / l0);
-        if (row1 < tokens)
-            *(unsigned*)(out + (long long)row1 * out_stride + col) = pack_bf16(o[n][2] / l1, o[n][3] / l1);
-    }
+    #pragma unroll
+    for (int r = 0; r < R; r++)
+        #pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float sum = l[r][h];
+            #pragma unroll
+            for (int x = 1; x < 4; x <<= 1) sum += __shfl_xor_sync(0xffffffff, sum, x);
+            int row = warp_row + r * 16 + g + 8 * h;
+            if (row < tokens)
+                #pragma unroll
+                for (int n = 0; n < D / 8; n++)
+                    *(unsigned*)(out + (long long)row * out_stride + head * D + n * 8 + 2 * t) =
+                        pack_bf16(o[r][n][2 * h] / sum, o[r][n][2 * h + 1] / sum);
+        }
 }
 
 #define ATTENTION_KERNEL(D)                                                                                \
-    extern "C" __global__ void prefill_attention_d##D(const __nv_bfloat16* qkv, __nv_bfloat16* out,      \
+    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, D > 64 ? 1 : PREFILL_BLOCKS_PER_SM) prefill_attention_d##D(const __nv_bfloat16* qkv, __nv_bfloat16* out,      \
                                                       int tokens, int num_heads, int num_kv_heads,        \
                                                       int row_stride, int out_stride, float scale) {      \
         const long long q_cols = num_heads * D, kv_cols = num_kv_heads * D;                              \
@@ -216,7 +260,7 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
                      [=](int j) { return qkv + j * (long long)row_stride + q_cols; },                    \
                      [=](int j) { return qkv + j * (long long)row_stride + q_cols + kv_cols; });         \
     }                                                                                                     \
-    extern "C" __global__ void chunk_attention_d##D(                                                      \
+    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, D > 64 ? 1 : PREFILL_BLOCKS_PER_SM) chunk_attention_d##D(                                                      \
             const __nv_bfloat16* qkv, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,         \
             const int* block_table, int start, __nv_bfloat16* out, int tokens, int num_heads,              \
             int num_kv_heads, int row_stride, int out_stride, float scale) {                               \
