@@ -14,7 +14,7 @@ BF16_PER_VECTOR = 8  # bf16 values in one 16-byte vector load (uint4): what a ke
 # Row kernels (embedding, add_rms_norm, rope, swiglu): one block per row; they read blockDim, so any multiple
 # of 32 works (block_sum's warps) and the value lives here alone, not in their code
 ROWS = 256  # 8 warps stride over a row: 576 (SmolLM2) to 2048 (Llama 3.2 1B) columns in 3 to 8 steps
-NORM_VECTOR = 4  # columns add_rms_norm's threads take at once (a 16-byte fp32 load): hidden sizes must be multiples
+NORM_VECTOR = 4  # columns add_rms_norm's threads take at once (a 16-byte fp32 load) when the hidden size is a multiple
 ARGMAX_THREADS = 1024  # one block scans a whole vocabulary row: the most a block may have, a power of 2 for the tree
 STORE_KV_THREADS = 128  # 8 bf16 each: 1024 K (and V) columns in one pass, 8 K/V heads x 128 (Llama 3.1 8B)
 
