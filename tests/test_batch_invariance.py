@@ -203,7 +203,8 @@ def test_a_lone_prompts_next_token_logits_are_those_it_gets_in_a_batch(runs, inv
 
 
 SHAPES = {"tiny qkv": (128, 64), "tiny o_proj": (64, 64), "tiny gate_up": (256, 64), "tiny down": (64, 128),
-          "SmolLM2 o_proj": (576, 576), "SmolLM2 qkv": (960, 576)}
+          "SmolLM2 o_proj": (576, 576), "SmolLM2 qkv": (960, 576), "SmolLM2 gate_up": (3072, 576),
+          "SmolLM2 down": (576, 1536)}
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())

@@ -69,6 +69,11 @@ def colmajor_index(i: int, j: int, ld: int) -> int:
 
 
 SMALL_GEMM_OUTPUTS = 1200  # OpenBLAS (AVX-512 cores) sends x @ w.T to its small-matrix kernel up to T*N = 1200
+# Up to this many rows the product is taken as W X^T (chapter 4's orientation) and transposed into `out`:
+# OpenBLAS's two threads then split W's N rows instead of the few rows of X. bench/cpu_gemm.py --orientation
+# (SmolLM2-135M's four layer shapes, 2 threads): 0.59x the time at 2 rows, 0.81x at 37, 0.96x at 64, 1.05x at 96
+TRANSPOSED_GEMM_MAX_ROWS = 64
+_transposed_scratch: dict[int, np.ndarray] = {}  # N -> (N * TRANSPOSED_GEMM_MAX_ROWS,) float32, made once
 
 
 def gemm_numpy(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -76,13 +81,21 @@ def gemm_numpy(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
 
     A row's result does not depend on the other rows for T >= 2. T = 1 goes to NumPy's gemv, which sums
     in another order (a lone decode row differs from the same row in a batch in the last bits): padding
-    it to 2 rows would make batch-1 decode ~3x slower (SmolLM2-135M 25 -> 74 ms/token), so it is left alone."""
+    it to 2 rows would make batch-1 decode ~3x slower (SmolLM2-135M 25 -> 74 ms/token), so it is left alone.
+    Both orientations give the same bits on OpenBLAS: tests/test_batch_invariance.py checks a row among 2 to 71
+    rows, across TRANSPOSED_GEMM_MAX_ROWS, on the BLAS it runs with."""
     T, N = out.shape
     if 1 < T and T * N <= SMALL_GEMM_OUTPUTS:
         # OpenBLAS's small-matrix kernel sums in another order than its blocked one: a row changed with T. Pad past it
         padded = np.zeros((SMALL_GEMM_OUTPUTS // N + 1, x.shape[1]), np.float32)
         padded[:T] = x
         out[...] = (padded @ w.T)[:T]
+    elif 1 < T <= TRANSPOSED_GEMM_MAX_ROWS:
+        if N not in _transposed_scratch:
+            _transposed_scratch[N] = np.empty(N * TRANSPOSED_GEMM_MAX_ROWS, np.float32)
+        y_t = _transposed_scratch[N][:N * T].reshape(N, T)
+        np.matmul(w, x.T, out=y_t)   # Y^T = W X^T, as cuBLAS computes it in chapter 4
+        out[...] = y_t.T
     else:
         np.matmul(x, w.T, out=out)
 
