@@ -110,10 +110,11 @@ def test_out_of_blocks_is_a_clear_error():
 
 # ---------------------------------------------------------------- paged attention (NumPy twin)
 
-def fragmented_pool(rng, lengths, kv_heads, head_dim, spare_blocks=5):
-    """A NaN pool whose blocks are handed out in random order: (k_pool, v_pool, tables, per-sequence (k, v))."""
+def fragmented_pool(rng, lengths, kv_heads, head_dim, spare_blocks=5, in_order=False):
+    """A NaN pool whose blocks are handed out in random order (in_order: one after another, so each sequence's
+    blocks follow each other in the pool): (k_pool, v_pool, tables, per-sequence (k, v))."""
     num_blocks = sum(blocks_for(n) for n in lengths) + spare_blocks
-    order = list(rng.permutation(num_blocks))
+    order = list(range(num_blocks))[::-1] if in_order else list(rng.permutation(num_blocks))  # pop() takes the last
     k_pool = np.full((num_blocks * BLOCK_SIZE, kv_heads, head_dim), np.nan, np.float32)
     v_pool = k_pool.copy()
     width = max(blocks_for(n) for n in lengths)
@@ -129,9 +130,10 @@ def fragmented_pool(rng, lengths, kv_heads, head_dim, spare_blocks=5):
     return k_pool, v_pool, tables, seqs
 
 
+@pytest.mark.parametrize("in_order", [False, True], ids=["blocks gathered", "blocks in order: one slice"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (9, 3, 64), (8, 1, 128)])
-def test_paged_attention_twin_equals_contiguous_attention(heads, kv_heads, head_dim, rng):
-    k_pool, v_pool, tables, seqs = fragmented_pool(rng, LENGTHS, kv_heads, head_dim)
+def test_paged_attention_twin_equals_contiguous_attention(heads, kv_heads, head_dim, in_order, rng):
+    k_pool, v_pool, tables, seqs = fragmented_pool(rng, LENGTHS, kv_heads, head_dim, in_order=in_order)
     n, q_cols = len(seqs), heads * head_dim
     qkv = randn(rng, n, q_cols + 2 * kv_heads * head_dim, scale=2.0)
     lengths = np.array(LENGTHS, np.int32)
