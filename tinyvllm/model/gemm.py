@@ -70,8 +70,9 @@ def colmajor_index(i: int, j: int, ld: int) -> int:
 
 SMALL_GEMM_OUTPUTS = 1200  # OpenBLAS (AVX-512 cores) sends x @ w.T to its small-matrix kernel up to T*N = 1200
 # Up to this many rows the product is taken as W X^T (chapter 4's orientation) and transposed into `out`:
-# OpenBLAS's two threads then split W's N rows instead of the few rows of X. bench/cpu_gemm.py --orientation
-# (SmolLM2-135M's four layer shapes, 2 threads): 0.59x the time at 2 rows, 0.81x at 37, 0.96x at 64, 1.05x at 96
+# OpenBLAS's two threads then split W's N rows instead of the few rows of X. bench/gemm_orientation.py (SmolLM2-135M's
+# layer shapes, 30 layers of weights streamed from memory, 2 cores): 0.68x the time at 2 rows, 0.92x at 37, 1.01x at
+# 64, 1.06x at 96 (gemm_orientation-20261202-054054.json)
 TRANSPOSED_GEMM_MAX_ROWS = 64
 _transposed_scratch: dict[int, np.ndarray] = {}  # N -> (N * TRANSPOSED_GEMM_MAX_ROWS,) float32, made once
 
