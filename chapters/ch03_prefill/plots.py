@@ -97,8 +97,9 @@ def draw_residual_norm() -> Figure:
 
 
 def latest_bench_result(results_dir: Path = BENCH_RESULTS) -> Path | None:
-    """The newest bench/results/prefill-*.json (the names sort by time), or None."""
-    found = sorted(results_dir.glob("prefill-*.json"))
+    """The newest bench/results/prefill-*.json (the names sort by time) that timed several prompt lengths (a run
+    with --lengths 4096 alone makes a poor figure), or None."""
+    found = [p for p in sorted(results_dir.glob("prefill-*.json")) if len(json.loads(p.read_text())["results"]) > 1]
     return found[-1] if found else None
 
 
