@@ -251,16 +251,19 @@ __device__ void attention(const __nv_bfloat16* qkv, __nv_bfloat16* out, int toke
         }
 }
 
+// At head_dim <= 64, __launch_bounds__ caps the registers so that PREFILL_BLOCKS_PER_SM blocks fit an SM (128 each at
+// 2); at 128 the capped kernel would spill its accumulators, so one block per SM there.
+#define BLOCKS_PER_SM(D) ((D) > 64 ? 1 : PREFILL_BLOCKS_PER_SM)
 #define ATTENTION_KERNEL(D)                                                                                \
-    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, D > 64 ? 1 : PREFILL_BLOCKS_PER_SM) prefill_attention_d##D(const __nv_bfloat16* qkv, __nv_bfloat16* out,      \
-                                                      int tokens, int num_heads, int num_kv_heads,        \
-                                                      int row_stride, int out_stride, float scale) {      \
+    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, BLOCKS_PER_SM(D))                       \
+    prefill_attention_d##D(const __nv_bfloat16* qkv, __nv_bfloat16* out, int tokens, int num_heads,       \
+                           int num_kv_heads, int row_stride, int out_stride, float scale) {               \
         const long long q_cols = num_heads * D, kv_cols = num_kv_heads * D;                              \
         attention<D>(qkv, out, tokens, 0, num_heads, num_kv_heads, row_stride, out_stride, scale,         \
                      [=](int j) { return qkv + j * (long long)row_stride + q_cols; },                    \
                      [=](int j) { return qkv + j * (long long)row_stride + q_cols + kv_cols; });         \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, D > 64 ? 1 : PREFILL_BLOCKS_PER_SM) chunk_attention_d##D(                                                      \
+    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, BLOCKS_PER_SM(D)) chunk_attention_d##D(    \
             const __nv_bfloat16* qkv, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,         \
             const int* block_table, int start, __nv_bfloat16* out, int tokens, int num_heads,              \
             int num_kv_heads, int row_stride, int out_stride, float scale) {                               \
