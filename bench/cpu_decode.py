@@ -161,21 +161,31 @@ def op_profile(engine: Tinyvllm, token: int, steps: int = 40) -> dict[str, float
     (planning, Python between the ops, the read-back); `steps` more tokens after the timed ones. The layer runs
     unfused here: on the CPU chapter 8's fused twins are these same ops in the same order, and apart they show
     the GEMMs (the floor's share) apart from everything else."""
-    seconds: dict[str, float] = {}
     model = engine.llm.model
     model.fused_decode = False
     try:
-        with timed_ops(model) as timer:
-            start = time.perf_counter()
-            for _ in range(steps):
-                token = engine.step(token)
-            total = time.perf_counter() - start
+        def decode():
+            nonlocal token
+            token = engine.step(token)
+        return _ms_per_call_by_op(model, decode, steps)
     finally:
         del model.fused_decode                      # back to the class's default
-    for name, s in timer.seconds():
-        seconds[name] = seconds.get(name, 0.0) + s
-    profile = {name: round(1e3 * s / steps, 3) for name, s in sorted(seconds.items(), key=lambda kv: -kv[1])}
-    profile["rest"] = round(1e3 * (total - sum(seconds.values())) / steps, 3)
+
+
+def prefill_op_profile(engine: Tinyvllm, calls: int = 5) -> dict[str, float]:
+    """The same for the prompt's prefill (each call a fresh sequence, as the timed ones): ms per prefill by op."""
+    return _ms_per_call_by_op(engine.llm.model, engine.prefill, calls)
+
+
+def _ms_per_call_by_op(model, fn, calls: int) -> dict[str, float]:
+    with timed_ops(model) as timer:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        total = time.perf_counter() - start
+    seconds = timer.totals()
+    profile = {name: round(1e3 * s / calls, 3) for name, s in sorted(seconds.items(), key=lambda kv: -kv[1])}
+    profile["rest"] = round(1e3 * (total - sum(seconds.values())) / calls, 3)
     return profile
 
 
@@ -217,6 +227,7 @@ def measure(args) -> dict:
         results = run_interleaved(engines, args.tokens, args.chunk, args.warmup, args.settle)
     time.sleep(args.settle)
     profile = op_profile(engines[0], results["tinyvllm"]["tokens"][-1])
+    prefill_profile = prefill_op_profile(engines[0])
     report["machine"]["load_average_at_end"] = os.getloadavg()
     warn_if_busy("at the end")
 
@@ -238,6 +249,7 @@ def measure(args) -> dict:
                                "attention, torch.inference_mode, float32; per-step wall time",
         "tinyvllm": ours, "transformers": theirs,
         "tinyvllm_op_profile_ms_per_step": profile,
+        "tinyvllm_prefill_op_profile_ms": prefill_profile,
         "ratio_tinyvllm_over_transformers": round(ratio, 3),
         "greedy_tokens_identical": f"{sum(a == b for a, b in zip(ours['tokens'], theirs['tokens']))}"
                                    f"/{len(ours['tokens'])}",
@@ -271,6 +283,8 @@ def summary(report: dict) -> str:
               f"greedy tokens identical: {report['greedy_tokens_identical']}",
               "one tinyvllm decode step, ms per op: " + ", ".join(
                   f"{name} {ms:.2f}" for name, ms in report["tinyvllm_op_profile_ms_per_step"].items()),
+              "one tinyvllm prefill of the prompt, ms per op: " + ", ".join(
+                  f"{name} {ms:.2f}" for name, ms in report["tinyvllm_prefill_op_profile_ms"].items()),
               f"peak RSS of `{rss['command']}`: {rss['peak_rss_mb']} MB (target < {TARGETS['peak_rss_mb_max']})"]
     return "\n".join(lines)
 
