@@ -1,14 +1,17 @@
-"""Where TRANSPOSED_GEMM_MAX_ROWS comes from: the CPU GEMM asked as X W^T or as W X^T (chapter 4), per row count.
+"""Where TRANSPOSED_GEMM_MAX_ROWS and TRANSPOSED_GEMM_PAD come from: the CPU GEMM asked as X W^T or as W X^T
+(chapter 4), per row count.
 
 out (T, N) = x (T, K) @ w (N, K)^T is what the engine needs. NumPy hands `x @ w.T` to OpenBLAS as is; with few rows
 the library's threads have little of x to split. Asked for Y^T = W X^T (cuBLAS's orientation) and transposed into
-`out`, they split W's rows instead. For each row count, SmolLM2-135M's four layer shapes are timed both ways with
-NumPy's default threads:
+`out`, they split W's rows instead; and since OpenBLAS's kernel takes X^T's columns 8 at a time, X can be padded
+with rows up to a multiple of 8 (their products thrown away). For each row count, SmolLM2-135M's four layer shapes
+are timed three ways (x_wt, w_xt, w_xt_padded) with NumPy's default threads:
   hot       each weight matrix multiplied 30 times in a row (it stays in the caches): the kernels alone;
   streamed  30 layers of distinct weights (425 MB, as a decode or prefill step reads them): what a step sees.
-The two orientations' outputs are compared bit for bit. Writes bench/results/gemm_orientation-<time>.json.
+The outputs are compared bit for bit with X W^T's (where T * N <= 1200, X W^T runs OpenBLAS's small-matrix kernel,
+which sums in another order: gemm_numpy pads its rows past it, so such rows do not differ there). Writes bench/results/gemm_orientation-<time>.json.
 
-    python bench/gemm_orientation.py [--rows 2 4 8 16 37 64 96 128 256]
+    python bench/gemm_orientation.py [--rows 2 3 4 5 8 13 16 24 37 48 57 64 96]
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from bench.gpu_common import thread_settings, write_result  # noqa: E402
-from tinyvllm.model.gemm import TRANSPOSED_GEMM_MAX_ROWS  # noqa: E402
+from tinyvllm.model.gemm import TRANSPOSED_GEMM_MAX_ROWS, TRANSPOSED_GEMM_PAD  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # SmolLM2 (N, K)
 LAYERS = 30
@@ -39,6 +42,18 @@ def w_xt(x: np.ndarray, w: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> 
     out[...] = y_t.T
 
 
+def w_xt_padded(x: np.ndarray, w: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None:
+    T, K = x.shape
+    padded = np.zeros((-(-T // 8) * 8, K), np.float32)
+    padded[:T] = x
+    y_t = scratch[:w.shape[0] * len(padded)].reshape(w.shape[0], len(padded))
+    np.matmul(w, padded.T, out=y_t)
+    out[...] = y_t[:, :T].T
+
+
+WAYS = {"x_wt": x_wt, "w_xt": w_xt, "w_xt_padded": w_xt_padded}
+
+
 def median_ms(fn, reps: int) -> float:
     fn()
     times = []
@@ -51,7 +66,7 @@ def median_ms(fn, reps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 37, 64, 96, 128, 256])
+    parser.add_argument("--rows", type=int, nargs="+", default=[2, 3, 4, 5, 8, 13, 16, 24, 37, 48, 57, 64, 96])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -59,20 +74,19 @@ def main() -> None:
     load_at_start = os.getloadavg()
     layers = [{name: rng.standard_normal(shape, dtype=np.float32) for name, shape in SHAPES.items()}
               for _ in range(LAYERS)]
-    scratch = np.empty(max(N for N, _ in SHAPES.values()) * max(args.rows), np.float32)
+    scratch = np.empty(max(N for N, _ in SHAPES.values()) * (max(args.rows) + 8), np.float32)
     rows = []
-    print(f"seed {args.seed}; ms for SmolLM2-135M's four layer GEMMs, W X^T / X W^T in brackets")
+    print(f"seed {args.seed}; ms for SmolLM2-135M's four layer GEMMs, over X W^T's time in brackets")
     for T in args.rows:
         xs = {K: rng.standard_normal((T, K), dtype=np.float32) for _, K in SHAPES.values()}
-        outs = {way: {N: np.empty((T, N), np.float32) for N, _ in SHAPES.values()} for way in ("x_wt", "w_xt")}
+        outs = {way: {N: np.empty((T, N), np.float32) for N, _ in SHAPES.values()} for way in WAYS}
         same = True
         for w in layers[0].values():
-            x = xs[w.shape[1]]
-            x_wt(x, w, outs["x_wt"][w.shape[0]], scratch)
-            w_xt(x, w, outs["w_xt"][w.shape[0]], scratch)
-            same &= bool(np.array_equal(outs["x_wt"][w.shape[0]], outs["w_xt"][w.shape[0]]))
+            for way, fn in WAYS.items():
+                fn(xs[w.shape[1]], w, outs[way][w.shape[0]], scratch)
+                same &= bool(np.array_equal(outs[way][w.shape[0]], outs["x_wt"][w.shape[0]]))
         row = {"rows": T, "same_bits": same}
-        for way, fn in (("x_wt", x_wt), ("w_xt", w_xt)):
+        for way, fn in WAYS.items():
             def hot(fn=fn, way=way):
                 for w in layers[0].values():
                     for _ in range(LAYERS):
@@ -85,14 +99,15 @@ def main() -> None:
             row[f"{way}_hot_ms"] = median_ms(hot, args.reps)
             row[f"{way}_streamed_ms"] = median_ms(streamed, args.reps)
         rows.append(row)
-        print(f"  {T:4d} rows: hot {row['w_xt_hot_ms']:7.1f} / {row['x_wt_hot_ms']:7.1f} "
-              f"({row['w_xt_hot_ms'] / row['x_wt_hot_ms']:.2f})   streamed {row['w_xt_streamed_ms']:7.1f} / "
-              f"{row['x_wt_streamed_ms']:7.1f} ({row['w_xt_streamed_ms'] / row['x_wt_streamed_ms']:.2f})   "
-              f"same bits {same}")
+        print(f"  {T:4d} rows, streamed: X W^T {row['x_wt_streamed_ms']:6.1f}   W X^T {row['w_xt_streamed_ms']:6.1f} "
+              f"({row['w_xt_streamed_ms'] / row['x_wt_streamed_ms']:.2f})   padded {row['w_xt_padded_streamed_ms']:6.1f} "
+              f"({row['w_xt_padded_streamed_ms'] / row['x_wt_streamed_ms']:.2f});   hot: {row['x_wt_hot_ms']:6.1f} / "
+              f"{row['w_xt_hot_ms']:6.1f} / {row['w_xt_padded_hot_ms']:6.1f}   same bits {same}")
     path = write_result("gemm_orientation", {
         "benchmark": "gemm_orientation", "command": " ".join(["python", "bench/gemm_orientation.py", *sys.argv[1:]]),
         "seed": args.seed, "shapes": SHAPES, "layers": LAYERS, "threads": thread_settings(),
-        "transposed_gemm_max_rows": TRANSPOSED_GEMM_MAX_ROWS, "load_average_at_start": load_at_start,
+        "transposed_gemm_max_rows": TRANSPOSED_GEMM_MAX_ROWS, "transposed_gemm_pad": TRANSPOSED_GEMM_PAD,
+        "load_average_at_start": load_at_start,
         "numpy_version": np.__version__, "results": rows})
     print("wrote", path)
 

@@ -70,11 +70,19 @@ def colmajor_index(i: int, j: int, ld: int) -> int:
 
 SMALL_GEMM_OUTPUTS = 1200  # OpenBLAS (AVX-512 cores) sends x @ w.T to its small-matrix kernel up to T*N = 1200
 # Up to this many rows the product is taken as W X^T (chapter 4's orientation) and transposed into `out`:
-# OpenBLAS's two threads then split W's N rows instead of the few rows of X. bench/gemm_orientation.py (SmolLM2-135M's
-# layer shapes, 30 layers of weights streamed from memory, 2 cores): 0.68x the time at 2 rows, 0.92x at 37, 1.01x at
-# 64, 1.06x at 96 (gemm_orientation-20261202-054054.json)
-TRANSPOSED_GEMM_MAX_ROWS = 64
-_transposed_scratch: dict[int, np.ndarray] = {}  # N -> (N * TRANSPOSED_GEMM_MAX_ROWS,) float32, made once
+# OpenBLAS's two threads then split W's N rows instead of the few rows of X. From 5 rows on, X gets zero rows up to
+# a multiple of TRANSPOSED_GEMM_PAD (OpenBLAS's kernel takes X^T's columns 8 at a time: 40 rows took less than 37).
+# bench/gemm_orientation.py measures the three ways on SmolLM2-135M's layer shapes, weights streamed from memory.
+TRANSPOSED_GEMM_MAX_ROWS = 48
+TRANSPOSED_GEMM_PAD = 8
+_transposed_scratch: dict[tuple[str, int], np.ndarray] = {}  # (role, N or K) -> float32, made once
+
+
+def _scratch(role: str, n: int) -> np.ndarray:
+    """A (n * (TRANSPOSED_GEMM_MAX_ROWS + TRANSPOSED_GEMM_PAD),) float32 array for gemm_numpy, kept per role and n."""
+    if (role, n) not in _transposed_scratch:
+        _transposed_scratch[role, n] = np.zeros(n * (TRANSPOSED_GEMM_MAX_ROWS + TRANSPOSED_GEMM_PAD), np.float32)
+    return _transposed_scratch[role, n]
 
 
 def gemm_numpy(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -83,8 +91,8 @@ def gemm_numpy(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
     A row's result does not depend on the other rows for T >= 2. T = 1 goes to NumPy's gemv, which sums
     in another order (a lone decode row differs from the same row in a batch in the last bits): padding
     it to 2 rows would make batch-1 decode ~3x slower (SmolLM2-135M 25 -> 74 ms/token), so it is left alone.
-    Both orientations give the same bits on OpenBLAS: tests/test_batch_invariance.py checks a row among 2 to 71
-    rows, across TRANSPOSED_GEMM_MAX_ROWS, on the BLAS it runs with."""
+    Both orientations, padded or not, give the same bits on OpenBLAS: tests/test_batch_invariance.py checks a row
+    among 2 to 71 rows, across TRANSPOSED_GEMM_MAX_ROWS, on the BLAS it runs with."""
     T, N = out.shape
     if 1 < T and T * N <= SMALL_GEMM_OUTPUTS:
         # OpenBLAS's small-matrix kernel sums in another order than its blocked one: a row changed with T. Pad past it
@@ -92,11 +100,15 @@ def gemm_numpy(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         padded[:T] = x
         out[...] = (padded @ w.T)[:T]
     elif 1 < T <= TRANSPOSED_GEMM_MAX_ROWS:
-        if N not in _transposed_scratch:
-            _transposed_scratch[N] = np.empty(N * TRANSPOSED_GEMM_MAX_ROWS, np.float32)
-        y_t = _transposed_scratch[N][:N * T].reshape(N, T)
+        K, pad = x.shape[1], TRANSPOSED_GEMM_PAD
+        rows = T if T <= pad // 2 else -(-T // pad) * pad
+        if rows > T:  # the extra rows' products land in columns nobody reads: whatever they hold is harmless
+            padded = _scratch("x", K)[:rows * K].reshape(rows, K)
+            padded[:T] = x
+            x = padded
+        y_t = _scratch("y", N)[:N * rows].reshape(N, rows)
         np.matmul(w, x.T, out=y_t)   # Y^T = W X^T, as cuBLAS computes it in chapter 4
-        out[...] = y_t.T
+        out[...] = y_t[:, :T].T
     else:
         np.matmul(x, w.T, out=out)
 
