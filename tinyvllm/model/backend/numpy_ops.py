@@ -108,7 +108,7 @@ def prefill_attention(qkv: np.ndarray, out: np.ndarray, num_heads: int, num_kv_h
     scores = q @ k[:, None]                                                                        # (KVH, G, T, T)
     scores *= F32(1 / np.sqrt(head_dim))
     future = np.arange(T)[None, :] > np.arange(T)[:, None]  # (query i, key j): j after i
-    scores[:, :, future] = -np.inf
+    np.copyto(scores, F32(-np.inf), where=future)               # broadcast over heads: no index arrays built
     scores -= scores.max(axis=-1, keepdims=True)               # finite: every row sees key 0
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
