@@ -87,8 +87,12 @@ def rope(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarra
     T, half = len(positions), head_dim // 2
     x = qkv[:, :num_heads * head_dim].reshape(T, num_heads, head_dim)   # a view: rows keep qkv's stride
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]      # (T, 1, half), shared by all heads
-    a, b = x[..., :half], x[..., half:]
-    x[..., :half], x[..., half:] = a * c - b * s, b * c + a * s         # both sides computed before either write
+    a, b = x[..., :half], x[..., half:]                                 # views: the products below write qkv
+    a_sin, b_sin = a * s, b * s      # the two products that need the old a and b; the other two are taken in place
+    a *= c
+    a -= b_sin                       # a cos - b sin
+    b *= c
+    b += a_sin                       # b cos + a sin
 
 
 def prefill_attention(qkv: np.ndarray, out: np.ndarray, num_heads: int, num_kv_heads: int,
@@ -255,11 +259,10 @@ def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
     its optional context splits (chapter 7) only change the order of the same sums; the twin sums each row
     whole (attend), whatever `splits` says, in the pool's own layout."""
     _, kv_heads, head_dim = k_cache.shape
+    queries = qkv[:, :num_heads * head_dim].reshape(-1, kv_heads, num_heads // kv_heads, head_dim)  # row b: (KVH, G, d)
     for b, length in enumerate(lengths.tolist()):
         table = block_tables[b, :-(-length // BLOCK_SIZE)]                # the blocks holding its keys, in order
-        k, v = context_rows(k_cache, v_cache, table, length)
-        q = qkv[b, :num_heads * head_dim].reshape(kv_heads, num_heads // kv_heads, head_dim)
-        out[b] = attend(q, k, v).reshape(-1)
+        out[b] = attend(queries[b], *context_rows(k_cache, v_cache, table, length)).reshape(-1)
 
 
 def context_rows(k_cache: np.ndarray, v_cache: np.ndarray, table: np.ndarray,
@@ -268,8 +271,9 @@ def context_rows(k_cache: np.ndarray, v_cache: np.ndarray, table: np.ndarray,
     Blocks that follow each other in the pool (a sequence alone gets them so) are one slice of it: no copy, a layer's
     attention 3.7x faster at 1,000 keys than gathering (bench/cpu_attention.py; tests/test_paged.py takes both
     paths); else whole blocks gathered, then cut."""
-    first = int(table[0])
-    if len(table) == 1 or (np.diff(table) == 1).all():   # checked once for K and V: they share the table
+    blocks = table.tolist()   # as Python ints: a list compare costs a fifth of np.diff + == + all, at every layer
+    first = blocks[0]
+    if blocks == list(range(first, first + len(blocks))):   # checked once for K and V: they share the table
         rows = slice(first * BLOCK_SIZE, first * BLOCK_SIZE + length)
         return k_cache[rows], v_cache[rows]
     return tuple(cache.reshape(-1, BLOCK_SIZE, *cache.shape[1:])[table].reshape(-1, *cache.shape[1:])[:length]
