@@ -13,6 +13,7 @@ Writes bench/results/cpu_decode-<date>-<time>.json; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import os
@@ -38,7 +39,7 @@ from bench.decode import weight_bytes_per_step  # noqa: E402
 from tinyvllm.engine.block_manager import plan_decode, plan_prefill  # noqa: E402
 from tinyvllm.entrypoints.llm import LLM  # noqa: E402
 from tinyvllm.model.decode import decode_batch  # noqa: E402
-from tinyvllm.model.op_timer import timed_ops  # noqa: E402
+from tinyvllm.model.op_timer import OpTimer, timed_ops  # noqa: E402
 from tinyvllm.model.prefill import prefill_batch  # noqa: E402
 
 PROMPT = "What is the capital of France?"
@@ -189,6 +190,49 @@ def _ms_per_call_by_op(model, fn, calls: int) -> dict[str, float]:
     return profile
 
 
+class _FirstCallRecorder(OpTimer):
+    """An OpTimer that also keeps a copy of each op's first call (its function and arguments), to replay it warm."""
+
+    def __init__(self, ops):
+        super().__init__(ops)
+        self.first_calls: dict[str, tuple] = {}
+
+    def _timed(self, name, fn, args, kwargs):
+        if name not in self.first_calls:
+            self.first_calls[name] = (fn, copy.deepcopy(args), kwargs)   # copies: replaying must not touch the engine
+        return super()._timed(name, fn, args, kwargs)
+
+
+def op_us_in_step_and_warm(engine: Tinyvllm, token: int, steps: int = 20, repeats: int = 200) -> dict[str, dict]:
+    """Each non-GEMM op's mean microseconds a call inside decode steps (unfused layer, as op_profile), and the same
+    call (layer 0's, on copies of its arguments) repeated in a warm loop: the difference is what the weights
+    streaming through the caches between two ops costs each call."""
+    model = engine.llm.model
+    model.fused_decode = False
+    recorder = _FirstCallRecorder(model.ops)
+    model.ops = recorder
+    try:
+        token = engine.step(token)                  # records the first calls; not timed
+        recorder.calls.clear()
+        for _ in range(steps):
+            token = engine.step(token)
+    finally:
+        model.ops = recorder._ops
+        del model.fused_decode
+    in_step: dict[str, list[float]] = {}
+    for name, seconds in recorder.seconds():
+        in_step.setdefault(name, []).append(seconds)
+    table = {}
+    for name, (fn, args, kwargs) in recorder.first_calls.items():
+        if name in ("gemm", "embedding"):           # the GEMMs' cost is memory, a warm loop would not stream it
+            continue
+        fn(*args, **kwargs)
+        warm = [_timed(lambda: fn(*args, **kwargs)) for _ in range(repeats)]
+        table[name] = {"in_step_us": round(1e6 * statistics.mean(in_step[name]), 1),
+                       "warm_us": round(1e6 * statistics.mean(warm), 1)}
+    return table
+
+
 def peak_rss_of_generate(model: str) -> dict:
     """Peak resident memory of the CLI answering a short prompt, in its own process."""
     command = ["-m", "tinyvllm", "generate", PROMPT, "--max-tokens", "64", "--model", model]
@@ -227,6 +271,8 @@ def measure(args) -> dict:
         results = run_interleaved(engines, args.tokens, args.chunk, args.warmup, args.settle)
     time.sleep(args.settle)
     profile = op_profile(engines[0], results["tinyvllm"]["tokens"][-1])
+    # before prefill_op_profile starts a fresh sequence: the same context as the decode profile's
+    per_call = op_us_in_step_and_warm(engines[0], results["tinyvllm"]["tokens"][-1])
     prefill_profile = prefill_op_profile(engines[0])
     report["machine"]["load_average_at_end"] = os.getloadavg()
     warn_if_busy("at the end")
@@ -250,6 +296,7 @@ def measure(args) -> dict:
         "tinyvllm": ours, "transformers": theirs,
         "tinyvllm_op_profile_ms_per_step": profile,
         "tinyvllm_prefill_op_profile_ms": prefill_profile,
+        "tinyvllm_decode_op_us_per_call_in_step_and_warm": per_call,
         "ratio_tinyvllm_over_transformers": round(ratio, 3),
         "greedy_tokens_identical": f"{sum(a == b for a, b in zip(ours['tokens'], theirs['tokens']))}"
                                    f"/{len(ours['tokens'])}",
@@ -285,6 +332,9 @@ def summary(report: dict) -> str:
                   f"{name} {ms:.2f}" for name, ms in report["tinyvllm_op_profile_ms_per_step"].items()),
               "one tinyvllm prefill of the prompt, ms per op: " + ", ".join(
                   f"{name} {ms:.2f}" for name, ms in report["tinyvllm_prefill_op_profile_ms"].items()),
+              "a decode op's call, us in the step / warm: " + ", ".join(
+                  f"{name} {t['in_step_us']:.0f} / {t['warm_us']:.0f}"
+                  for name, t in report["tinyvllm_decode_op_us_per_call_in_step_and_warm"].items()),
               f"peak RSS of `{rss['command']}`: {rss['peak_rss_mb']} MB (target < {TARGETS['peak_rss_mb_max']})"]
     return "\n".join(lines)
 
