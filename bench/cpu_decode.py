@@ -128,16 +128,20 @@ class Transformers:
         return int(out.logits[0, -1].argmax())
 
 
-def run_interleaved(engines: list, steps: int, chunk: int, warmup: int, settle: float) -> dict[str, dict]:
-    """Prefill each engine (timed: the median of 5 after one warm-up call, which pays for first touches — BLAS's
-    threads, scratch buffers, pages of the KV pool never written), then decode `steps` tokens in alternating
-    chunks; warm-up steps excluded."""
-    state = {}
-    for e in engines:
-        time.sleep(settle)
-        e.prefill()
-        prefill_s = [_timed(e.prefill) for _ in range(5)]  # each call starts a fresh cache
-        state[e.name] = {"prefill_ms": 1e3 * statistics.median(prefill_s), "tokens": [e.prefill()], "step_s": []}
+def run_interleaved(engines: list, steps: int, chunk: int, warmup: int, settle: float,
+                    prefills: int = 7) -> dict[str, dict]:
+    """Prefill each engine `prefills` times, the engines taking turns call by call (timed: the median, after one
+    warm-up call each, which pays for first touches — BLAS's threads, scratch buffers, pages of the KV pool never
+    written), then decode `steps` tokens in alternating chunks; warm-up steps excluded."""
+    prefill_s: dict[str, list[float]] = {e.name: [] for e in engines}
+    for turn in range(prefills + 1):
+        for e in engines:
+            time.sleep(settle)
+            seconds = _timed(e.prefill)             # each call starts a fresh cache
+            if turn:
+                prefill_s[e.name].append(seconds)
+    state = {e.name: {"prefill_ms": 1e3 * statistics.median(prefill_s[e.name]), "tokens": [e.prefill()],
+                      "step_s": []} for e in engines}
     for begin in range(0, warmup + steps, chunk):
         for e in engines:
             s = state[e.name]
@@ -288,6 +292,7 @@ def measure(args) -> dict:
         "workload": {"model": args.model, "model_dir": str(llm.model_dir), "prompt": PROMPT,
                      "chat_template": True, "prompt_tokens": len(ids), "generated_tokens": args.tokens,
                      "warmup_tokens": args.warmup, "chunk": args.chunk, "settle_s": args.settle,
+                     "prefill_timing": "median of 7 calls per engine, the engines taking turns call by call",
                      "greedy": True, "stop_on_eos": False, "dtype": "float32"},
         "tinyvllm_method": "as LLM.stream runs it: the engine's prefill into the paged KV cache, then per "
                            "token decode_step (NumPy backend); per-step wall time",

@@ -9,8 +9,8 @@ are timed three ways (x_wt, w_xt, w_xt_padded) with NumPy's default threads:
   hot       each weight matrix multiplied 30 times in a row (it stays in the caches): the kernels alone;
   streamed  30 layers of distinct weights (425 MB, as a decode or prefill step reads them): what a step sees.
 A fourth column, torch_linear, runs the same X W^T through torch.nn.functional.linear (Intel MKL in the CPU wheels,
-torch's default threads), the library transformers' CPU prefill runs on: the reference for chapter 4's table and
-for the prefill target of BENCHMARKS.md. Each way starts after a 0.3 s pause (the other library's threads stop
+torch's default threads), the library transformers' CPU prefill runs on: what the CPU prefill's target in
+BENCHMARKS.md is up against. Each way starts after a 0.3 s pause (the other library's threads stop
 spinning). The NumPy outputs are compared bit for bit with X W^T's (where T * N <= 1200, X W^T runs OpenBLAS's small-matrix kernel,
 which sums in another order: gemm_numpy pads its rows past it, so such rows do not differ there). Writes bench/results/gemm_orientation-<time>.json.
 
