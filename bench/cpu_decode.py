@@ -228,7 +228,7 @@ def op_us_in_step_and_warm(engine: Tinyvllm, token: int, steps: int = 20, repeat
         in_step.setdefault(name, []).append(seconds)
     table = {}
     for name, (fn, args, kwargs) in recorder.first_calls.items():
-        if name in ("gemm", "embedding"):           # the GEMMs' cost is memory, a warm loop would not stream it
+        if name in ("gemm", "embedding"):  # a GEMM costs its weights streaming by, which a warm loop would not do
             continue
         fn(*args, **kwargs)
         warm = [_timed(lambda: fn(*args, **kwargs)) for _ in range(repeats)]
