@@ -43,6 +43,7 @@ from tinyvllm.model.op_timer import OpTimer, timed_ops  # noqa: E402
 from tinyvllm.model.prefill import prefill_batch  # noqa: E402
 
 PROMPT = "What is the capital of France?"
+PREFILLS = 7  # timed prefill calls per engine, after one warm-up call each
 TARGETS = {"ratio_max": 0.7, "floor_ratio_max": 1.2, "peak_rss_mb_max": 1500}  # decode vs transformers, vs the
 # floor (weights / copy bandwidth); the CLI's memory
 
@@ -128,13 +129,12 @@ class Transformers:
         return int(out.logits[0, -1].argmax())
 
 
-def run_interleaved(engines: list, steps: int, chunk: int, warmup: int, settle: float,
-                    prefills: int = 7) -> dict[str, dict]:
-    """Prefill each engine `prefills` times, the engines taking turns call by call (timed: the median, after one
+def run_interleaved(engines: list, steps: int, chunk: int, warmup: int, settle: float) -> dict[str, dict]:
+    """Prefill each engine PREFILLS times, the engines taking turns call by call (timed: the median, after one
     warm-up call each, which pays for first touches — BLAS's threads, scratch buffers, pages of the KV pool never
     written), then decode `steps` tokens in alternating chunks; warm-up steps excluded."""
     prefill_s: dict[str, list[float]] = {e.name: [] for e in engines}
-    for turn in range(prefills + 1):
+    for turn in range(PREFILLS + 1):
         for e in engines:
             time.sleep(settle)
             seconds = _timed(e.prefill)             # each call starts a fresh cache
@@ -213,15 +213,15 @@ def op_us_in_step_and_warm(engine: Tinyvllm, token: int, steps: int = 20, repeat
     streaming through the caches between two ops costs each call."""
     model = engine.llm.model
     model.fused_decode = False
-    recorder = _FirstCallRecorder(model.ops)
-    model.ops = recorder
+    original = model.ops
+    model.ops = recorder = _FirstCallRecorder(original)
     try:
         token = engine.step(token)                  # records the first calls; not timed
         recorder.calls.clear()
         for _ in range(steps):
             token = engine.step(token)
     finally:
-        model.ops = recorder._ops
+        model.ops = original
         del model.fused_decode
     in_step: dict[str, list[float]] = {}
     for name, seconds in recorder.seconds():
@@ -292,7 +292,7 @@ def measure(args) -> dict:
         "workload": {"model": args.model, "model_dir": str(llm.model_dir), "prompt": PROMPT,
                      "chat_template": True, "prompt_tokens": len(ids), "generated_tokens": args.tokens,
                      "warmup_tokens": args.warmup, "chunk": args.chunk, "settle_s": args.settle,
-                     "prefill_timing": "median of 7 calls per engine, the engines taking turns call by call",
+                     "prefill_timing": f"median of {PREFILLS} calls per engine, taking turns call by call",
                      "greedy": True, "stop_on_eos": False, "dtype": "float32"},
         "tinyvllm_method": "as LLM.stream runs it: the engine's prefill into the paged KV cache, then per "
                            "token decode_step (NumPy backend); per-step wall time",

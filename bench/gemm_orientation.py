@@ -10,9 +10,10 @@ are timed three ways (x_wt, w_xt, w_xt_padded) with NumPy's default threads:
   streamed  30 layers of distinct weights (425 MB, as a decode or prefill step reads them): what a step sees.
 A fourth column, torch_linear, runs the same X W^T through torch.nn.functional.linear (Intel MKL in the CPU wheels,
 torch's default threads), the library transformers' CPU prefill runs on: what the CPU prefill's target in
-BENCHMARKS.md is up against. Each way starts after a 0.3 s pause (the other library's threads stop
-spinning). The NumPy outputs are compared bit for bit with X W^T's (where T * N <= 1200, X W^T runs OpenBLAS's small-matrix kernel,
-which sums in another order: gemm_numpy pads its rows past it, so such rows do not differ there). Writes bench/results/gemm_orientation-<time>.json.
+BENCHMARKS.md is up against. Each way starts after a 0.3 s pause (the other library's threads stop spinning). The
+NumPy outputs are compared bit for bit with X W^T's (where T * N <= 1200, X W^T runs OpenBLAS's small-matrix kernel,
+which sums in another order: gemm_numpy pads its rows past it, so such rows do not differ there). Writes
+bench/results/gemm_orientation-<time>.json.
 
     python bench/gemm_orientation.py [--rows 2 3 4 5 8 13 16 24 37 48 57 64 96]
 """
@@ -114,7 +115,8 @@ def main() -> None:
         rows.append(row)
         print(f"  {T:4d} rows, streamed: X W^T {row['x_wt_streamed_ms']:6.1f}   W X^T {row['w_xt_streamed_ms']:6.1f} "
               f"({row['w_xt_streamed_ms'] / row['x_wt_streamed_ms']:.2f})   padded {row['w_xt_padded_streamed_ms']:6.1f} "
-              f"({row['w_xt_padded_streamed_ms'] / row['x_wt_streamed_ms']:.2f})   torch {row['torch_linear_streamed_ms']:6.1f};   hot: {row['x_wt_hot_ms']:6.1f} / "
+              f"({row['w_xt_padded_streamed_ms'] / row['x_wt_streamed_ms']:.2f})   "
+              f"torch {row['torch_linear_streamed_ms']:6.1f};   hot: {row['x_wt_hot_ms']:6.1f} / "
               f"{row['w_xt_hot_ms']:6.1f} / {row['w_xt_padded_hot_ms']:6.1f}   same bits {same}")
     path = write_result("gemm_orientation", {
         "benchmark": "gemm_orientation", "command": " ".join(["python", "bench/gemm_orientation.py", *sys.argv[1:]]),
