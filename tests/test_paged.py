@@ -190,9 +190,9 @@ def test_paged_decode_equals_contiguous_decode(smol):
         slots = slot_mapping(blocks.tables[s], 0, blocks.lengths[s])
         for layer in (0, smol.cfg.num_hidden_layers - 1):
             for x, y in zip((paged.k[layer, slots], paged.v[layer, slots]), contiguous.view(s, layer)):
-                # the prompts' K/V are bit for bit the same; the decoded tokens' went through two attention
-                # twins that sum in another order (whole rows, and chapter 5's kernel chunks)
-                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+                # the decoded tokens' K/V went through two attention twins that sum in another order (whole rows,
+                # and chapter 5's kernel chunks), and a prompt's GEMMs may be summed otherwise at another T
+                assert rel_err(x, y) < 1e-5, f"sequence {s}, layer {layer}: relative error {rel_err(x, y):.1e}"
 
 
 def test_pool_sizing_on_the_cpu(smol):

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.engine.engine import Engine
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.snapshot import take_snapshot
 from tinyvllm.entrypoints.cli import build_parser
@@ -40,7 +41,7 @@ def start(model_dir, **server_args) -> Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = start(tiny_model_dir, api_key="sesame")
+    srv = start(tiny_model_dir, api_key="sesame", engine_in_thread=True)   # in this process: a test can slow it
     yield srv
     srv.stop()
 
@@ -74,7 +75,7 @@ def test_the_snapshot_names_every_block(tiny_model_dir):
     assert snap["waiting"] == []
 
 
-def test_snapshot_fields_and_a_running_request(server):
+def test_snapshot_fields_and_a_running_request(server, monkeypatch):
     first = httpx.get(f"{server.url}/ui/snapshot", headers=KEY)
     assert first.status_code == 200 and first.headers["content-type"] == "application/json"
     snap = first.json()
@@ -82,6 +83,8 @@ def test_snapshot_fields_and_a_running_request(server):
     assert snap["pool"]["num_blocks"] == snap["pool"]["shown"] == len(snap["pool"]["refs"]) == NUM_BLOCKS
     assert len(snap["tokens_per_s"]) == 60 and snap["device"] == "cpu"
 
+    launch = Engine.launch_step   # 20 ms a step: the request outlives a snapshot's 250 ms on any machine
+    monkeypatch.setattr(Engine, "launch_step", lambda engine: (time.sleep(0.02), launch(engine))[1])
     body = {"prompt": list(range(100, 140)), "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=KEY, timeout=60) as reply:
         lines = reply.iter_lines()   # kept: a dropped iterator would close the response

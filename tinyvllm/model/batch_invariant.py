@@ -18,10 +18,15 @@ arithmetic, in groups of rows) and paged attention never split. What it costs â€
 tensor cores for every GEMM, a weight read per group of rows, one block per (sequence, head) at batch 1 â€”
 bench/throughput.py measures.
 
-The NumPy twins have their own orders (tests/test_batch_invariance.py found them): BLAS sends one row to
-gemv, which sums otherwise than its GEMM (`gemm_invariant` pads it to two), and the whole-prompt attention
-groups a row's sums by the prompt's length (`prefill_attention_invariant` and `chunk_attention_invariant`
-attend one query at a time, as a decode query does). Every backend provides the `_invariant` forms.
+On the CPU a BLAS library makes those choices, and they cannot be trusted: which kernel a product of T rows
+gets, how it is blocked and split between threads, depends on the CPU (OpenBLAS has a kernel family per core
+type), the build (OpenBLAS, MKL, Accelerate) and the thread count, and none of them promises an order. So the
+NumPy mode does not ask the BLAS for one; it makes every row's arithmetic one fixed call: `gemm_invariant`
+copies row t into one (1, K) scratch row and multiplies it into one (1, N) scratch row, the same shapes and
+pointers at any T (at T = 1 that is the default's own call, so batch-1 decode costs nothing more; T rows read
+the weights T times). Attention attends one query at a time (`prefill_attention_invariant`,
+`chunk_attention_invariant`, and paged_attention already does), so a query's sums have the shapes of its own
+context only. RMSNorm, RoPE, SwiGLU and the sampling work row by row in both modes.
 
 Chapter 8's fused decode kernels are withheld: they run only up to GEMV_DECODE_ROWS rows, so a sequence would switch
 between them and the unfused layer as its batch grows, and nothing makes the two sum alike (the fused norm's

@@ -68,7 +68,6 @@ def colmajor_index(i: int, j: int, ld: int) -> int:
     return i + j * ld  # columns are contiguous; the next column starts ld elements further on
 
 
-SMALL_GEMM_OUTPUTS = 1200  # OpenBLAS (AVX-512 cores) sends x @ w.T to its small-matrix kernel up to T*N = 1200
 # Up to this many rows the product is taken as W X^T (chapter 4's orientation) and transposed into `out`:
 # OpenBLAS's two threads then split W's N rows instead of the few rows of X. From 5 rows on, X gets zero rows up to
 # a multiple of TRANSPOSED_GEMM_PAD (OpenBLAS's kernel takes X^T's columns 8 at a time: 40 rows took less than 37).
@@ -88,18 +87,11 @@ def _scratch(role: str, n: int) -> np.ndarray:
 def gemm_numpy(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
     """out (T, N) = x (T, K) @ w (N, K)^T, row-major, float32: the twin of gemm_cublas.
 
-    A row's result does not depend on the other rows for T >= 2. T = 1 goes to NumPy's gemv, which sums
-    in another order (a lone decode row differs from the same row in a batch in the last bits): padding
-    it to 2 rows would make batch-1 decode ~3x slower (SmolLM2-135M 25 -> 74 ms/token), so it is left alone.
-    Both orientations, padded or not, give the same bits on OpenBLAS: tests/test_batch_invariance.py checks a row
-    among 2 to 71 rows, across TRANSPOSED_GEMM_MAX_ROWS, on the BLAS it runs with."""
+    The fastest way NumPy offers, not a fixed order: the BLAS chooses a kernel and a split between its threads
+    from the shape (gemv for one row, GEMM kernels for more, a small-matrix kernel on some CPUs), so a row's
+    last bits may depend on T. The batch-invariant mode uses numpy_ops.gemm_invariant instead."""
     T, N = out.shape
-    if 1 < T and T * N <= SMALL_GEMM_OUTPUTS:
-        # OpenBLAS's small-matrix kernel sums in another order than its blocked one: a row changed with T. Pad past it
-        padded = np.zeros((SMALL_GEMM_OUTPUTS // N + 1, x.shape[1]), np.float32)
-        padded[:T] = x
-        out[...] = (padded @ w.T)[:T]
-    elif 1 < T <= TRANSPOSED_GEMM_MAX_ROWS:
+    if 1 < T <= TRANSPOSED_GEMM_MAX_ROWS:
         K, pad = x.shape[1], TRANSPOSED_GEMM_PAD
         rows = T if T <= pad // 2 else -(-T // pad) * pad
         if rows > T:  # the extra rows' products land in columns nobody reads: whatever they hold is harmless

@@ -23,13 +23,19 @@ DTYPE = np.float32  # activations and weights; the GPU stores bf16 bits here
 
 
 def gemm_invariant(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    """gemm for the batch-invariant mode (chapter 7): NumPy hands a single row to BLAS's gemv, which sums in
-    another order than its GEMM, so a lone row goes through the GEMM as two."""
-    if x.shape[0] > 1:
-        return gemm(x, w, out)
-    two = np.empty((2, w.shape[0]), np.float32)
-    gemm(np.concatenate([x, x]), w, two)
-    out[...] = two[:1]
+    """gemm for the batch-invariant mode (chapter 7): every row through one and the same BLAS call.
+
+    A BLAS picks its kernel, blocking and thread split from the shape, so a row of x @ w.T can be summed in
+    another order at T = 3 than at T = 64, and which orders depends on the CPU and the BLAS build. Here row t
+    is copied into a fixed (1, K) scratch row and multiplied into a fixed (1, N) one: the same call, with
+    the same shapes, strides and pointers, whatever T is and wherever the row sat, so any deterministic BLAS
+    gives it the same bits. At T = 1 it is the default gemm's own call; at T rows it streams w T times.
+    """
+    row_in, row_out = _scratch("invariant_x", (1, x.shape[1])), _scratch("invariant_y", (1, w.shape[0]))
+    for t in range(x.shape[0]):
+        row_in[...] = x[t]
+        np.matmul(row_in, w.T, out=row_out)
+        out[t] = row_out[0]
 
 
 def gemv(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
