@@ -23,6 +23,8 @@ import time
 import httpx
 import openai
 import pytest
+from starlette.responses import Response
+from starlette.testclient import TestClient
 
 import tinyvllm.engine.engine as engine_module
 from tinyvllm import LLM, SamplingParams
@@ -345,7 +347,7 @@ def test_a_client_that_leaves_mid_stream_is_aborted(server):
 def test_a_non_streaming_client_that_leaves_is_aborted(server):
     body = json.dumps(LONG).encode()
     with socket.create_connection(server.sock.getsockname()) as raw:
-        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         assert wait_until(lambda: server.engine.client.stats.running == 1, 10)
     assert_aborted_within_a_step(server, server.engine.client.stats.steps)
@@ -361,7 +363,7 @@ def test_a_client_that_leaves_before_the_first_byte_is_aborted(server):
         body = json.dumps({**LONG, "stream": stream}).encode()
         steps, aborted = server.engine.client.stats.steps, read_metric(server, ABORTED)
         with socket.create_connection(server.sock.getsockname()) as raw:   # sends, and is gone at once
-            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         assert wait_until(lambda: read_metric(server, ABORTED) == aborted + 1, 10), "never counted as aborted"
         assert wait_until(lambda: pool_is_whole(server), 10)
@@ -460,10 +462,65 @@ def test_a_full_queue_gets_429_and_the_api_key_is_checked():
                 r = http.post("/v1/completions", json=short)                    # one too many
             waiting.join()                     # the stream closed: the waiting request got the slot
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert int(r.headers["Retry-After"]) >= 1, "a 429 says when to come back"
         assert queued[0].status_code == 200 and queued[0].json()["usage"]["completion_tokens"] == 2
         assert wait_until(lambda: pool_is_whole(srv))
     finally:
         srv.stop()
+
+
+def test_the_key_is_checked_strictly_and_before_the_body_is_read():
+    """Only 'Bearer <key>' (the scheme in any case) passes; a request without the key is refused before its body is
+    read: a broken body still gets the 401, and the JSON parser never runs."""
+    from tinyvllm.entrypoints.server import ApiKeyCheck
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["path"])
+        await Response(b"ok")(scope, receive, send)
+
+    check = ApiKeyCheck(app, "sesame")
+    client = TestClient(check, base_url="http://localhost")
+    for header in ["Bearer nope", "Bearer  sesame", "Bearersesame", "Basic sesame", "bearer sesame x", "sesame",
+                   "Bearer sesame\t"]:
+        r = client.post("/v1/completions", content=b"{not json", headers={"Authorization": header})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", header
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+    assert not seen, f"the app ran without the key: {seen}"
+    for header in ["Bearer sesame", "bearer sesame", "BEARER sesame"]:
+        assert client.get("/v1/models", headers={"Authorization": header}).status_code == 200, header
+    assert client.get("/health").status_code == 200 and client.get("/").status_code == 200   # not guarded
+
+
+def test_a_loopback_server_answers_only_its_own_host_names(server):
+    """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 sends Host: evil.example."""
+    port = server.sock.getsockname()[1]
+    for host in ["evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", ""]:
+        r = httpx.get(f"{server.url}/v1/models", headers={"Host": host})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", host
+    for host in ["localhost", f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST", f"[::1]:{port}"]:
+        assert httpx.get(f"{server.url}/v1/models", headers={"Host": host}).status_code == 200, host
+
+
+def test_the_access_log_escapes_what_the_client_wrote():
+    """A path with CR, LF or an ANSI escape cannot start a forged line or colour the terminal."""
+    from tinyvllm.entrypoints.server import AccessLog, access_log
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = access_log.level
+    access_log.setLevel(logging.INFO)    # setLevel, not the attribute: a logger caches what it lets through
+    access_log.addHandler(handler)
+
+    async def app(scope, receive, send):
+        await Response(b"ok")(scope, receive, send)
+    try:
+        TestClient(AccessLog(app)).get("/v1/models%0D%0AINFO%20tinyvllm.access:%20GET%20/forged%20200%1B[31m")
+    finally:
+        access_log.removeHandler(handler)
+        access_log.setLevel(level)
+    assert len(lines) == 1 and not any(c in lines[0] for c in "\r\n\x1b"), lines
+    assert "\\x0d\\x0a" in lines[0] and "\\x1b" in lines[0], lines
 
 
 def test_serve_on_a_port_in_use_is_one_line_and_exit_2(capsys):

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
 from tinyvllm.engine.engine_core import Report
@@ -158,9 +158,9 @@ async def snapshot_events(engine: AsyncEngine) -> AsyncIterator[str]:
         await asyncio.sleep(SNAPSHOT_EVERY_S)
 
 
-def add_routes(app: FastAPI, engine: AsyncEngine, check_key: Callable) -> None:
-    """The page and its two snapshot routes (check_key: the /v1 routes' API-key check). None of them is in
-    /openapi.json: they are not OpenAI's API."""
+def add_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    """The page and its two snapshot routes (the snapshots behind --api-key, as the /v1 routes: server.py's
+    ApiKeyCheck). None of them is in /openapi.json: they are not OpenAI's API."""
     from tinyvllm.entrypoints.server import ApiError   # here: server.py imports this module first
     for path, (name, media_type) in FILES.items():
         app.add_api_route(path, static_file((UI_DIR / name).read_bytes(), media_type), methods=["GET"],
@@ -174,11 +174,11 @@ def add_routes(app: FastAPI, engine: AsyncEngine, check_key: Callable) -> None:
         except asyncio.TimeoutError:
             raise ApiError(503, f"the engine sent no snapshot in {SNAPSHOT_TIMEOUT_S} s", "server_error") from None
 
-    @app.get("/ui/snapshot", include_in_schema=False, dependencies=[Depends(check_key)])
+    @app.get("/ui/snapshot", include_in_schema=False)
     async def snapshot():
         return Response(await fresh(), media_type="application/json")
 
-    @app.get("/ui/events", include_in_schema=False, dependencies=[Depends(check_key)])
+    @app.get("/ui/events", include_in_schema=False)
     async def events():
         await fresh()   # a dead engine is a 503 before the stream starts, not a stream that ends at once
         return StreamingResponse(snapshot_events(engine), media_type="text/event-stream",

@@ -51,6 +51,7 @@ from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 MAX_BODY_BYTES = 1 << 20   # 1 MiB: a request body past it gets a 413 before it is parsed
+RETRY_AFTER_S = 1          # a 429's Retry-After: a queue of requests moves on within a second or two
 STEP_RECORDS = 512         # the engine's recent steps, kept for plots and live views: a ring, not a log
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("tinyvllm.access")
@@ -59,9 +60,9 @@ access_log = logging.getLogger("tinyvllm.access")
 class ApiError(Exception):
     """Refuse a request with an HTTP status and OpenAI's error object."""
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.body = status, api.error(message, type_, param, code)
+        self.status, self.body, self.headers = status, api.error(message, type_, param, code), headers
 
 
 # ---- the API side of one request ----
@@ -201,7 +202,8 @@ class AsyncEngine:
                                 f"at most {most} at once (--max-num-seqs plus --max-queue); split it", param="n")
         if len(choices) > most - self.outstanding():
             raise ApiError(429, f"{len(self.choices)} sequences are running or waiting (the server's --max-num-seqs "
-                                "plus --max-queue); retry later", "rate_limit_error", code="queue_full")
+                                "plus --max-queue); retry later", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         for choice in choices:
             self.choices[choice.request_id] = choice
             self.metrics.prompt_tokens.inc(len(choice.prompt_ids))
@@ -228,7 +230,8 @@ class AsyncEngine:
 # ---- the HTTP side ----
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, ui: bool = True) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, ui: bool = True, host_names: set[str] | None = None) -> FastAPI:
+    """host_names: the Host header names to answer (None: any, as for a server bound to every interface)."""
     info, tokenizer = engine.info, engine.tokenizer
 
     @asynccontextmanager
@@ -238,12 +241,15 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         engine.attach(None)
 
     app = FastAPI(title="tinyvllm", summary="an OpenAI-compatible server on tinyvllm's engine", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)   # the last added runs first: AccessLog, host, key, body
+    app.add_middleware(ApiKeyCheck, api_key=api_key)
+    if host_names is not None:
+        app.add_middleware(LocalHostOnly, names=host_names)
     app.add_middleware(AccessLog)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body, status_code=e.status)
+        return JSONResponse(e.body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)   # unknown routes, wrong methods (with Allow), unparsable bodies
     async def http_error(request: Request, e: HTTPException):
@@ -274,14 +280,6 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         log.exception("request failed")
         return JSONResponse(api.error(f"internal error: {type(e).__name__}", "server_error", code=500),
                             status_code=500)
-
-    async def check_key(request: Request) -> None:   # async: a plain def would hop to a worker thread
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), api_key.encode()):
-            raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
 
     async def json_only(request: Request) -> None:
         """A web page can POST text/plain to localhost without asking; it cannot send JSON unasked."""
@@ -318,24 +316,24 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tinyvllm",
                 "max_model_len": info["max_model_len"]}
 
-    @app.get("/v1/models", responses=api.ERROR_RESPONSES, dependencies=[Depends(check_key)])
+    @app.get("/v1/models", responses=api.ERROR_RESPONSES)
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", responses=api.ERROR_RESPONSES, dependencies=[Depends(check_key)])
+    @app.get("/v1/models/{model_id:path}", responses=api.ERROR_RESPONSES)
     async def model(model_id: str):
         if model_id != model_name:
             raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
         return model_card()
 
-    @app.post("/v1/completions", responses=api.ERROR_RESPONSES, dependencies=[Depends(check_key), Depends(json_only)])
+    @app.post("/v1/completions", responses=api.ERROR_RESPONSES, dependencies=[Depends(json_only)])
     async def completions(body: api.CompletionRequest, request: Request):
         prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
         return await generate(request, body, prompts, body.max_tokens, body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions", responses=api.ERROR_RESPONSES,
-              dependencies=[Depends(check_key), Depends(json_only)])
+              dependencies=[Depends(json_only)])
     async def chat_completions(body: api.ChatRequest, request: Request):
         prompt = tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
         return await generate(request, body, [prompt], body.reply_tokens, body.engine_logprobs, chat=True)
@@ -371,7 +369,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return JSONResponse(reply.whole())   # already plain JSON: skip FastAPI's slow recursive encoder
 
     if ui:   # the live page at /, and its snapshots (serve --no-ui: none of it)
-        live.add_routes(app, engine, check_key)
+        live.add_routes(app, engine)
     return app
 
 
@@ -572,9 +570,59 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+KEYED_PATHS = ("/v1/", "/ui/snapshot", "/ui/events")   # what --api-key guards (the page itself loads, to ask for it)
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+def error_response(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(api.error(message, code=code), status_code=status, headers=headers)
+
+
+class ApiKeyCheck:
+    """With --api-key: a request to a guarded path without `Authorization: Bearer <key>` gets a 401 before its
+    body is read or parsed (a client without the key cannot make the server parse a megabyte of JSON)."""
+    def __init__(self, app, api_key: str | None):
+        self.app, self.expected = app, None if api_key is None else api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if self.expected is None or scope["type"] != "http" or not scope["path"].startswith(KEYED_PATHS):
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")   # RFC 6750: "Bearer" (any case), one space, the token
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token, self.expected):
+            return await self.app(scope, receive, send)
+        response = error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
+                                  "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class LocalHostOnly:
+    """Bound to a loopback address, answer only requests whose Host header names this machine: a web page on
+    another site could otherwise point its own name at 127.0.0.1 (DNS rebinding) and read a keyless server."""
+    def __init__(self, app, names: set[str]):
+        self.app, self.names = app, names
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host   # drop the port; keep [::1] whole
+        if name.strip("[]").lower() in self.names:
+            return await self.app(scope, receive, send)
+        response = error_response(400, f"the Host header {printable(host)!r} does not name this server; it answers "
+                                       f"only to {sorted(self.names)} (serve --host 0.0.0.0 to answer any name)",
+                                  "invalid_host")
+        await response(scope, receive, send)
+
+
+def printable(text: str) -> str:
+    """Text safe for a log line: control characters (CR, LF, the escape of ANSI colours) as \\xNN escapes."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+
+
 class AccessLog:
     """One line per request: method, path, status, request id, the client's `user` if sent, tokens in and
-    out, seconds."""
+    out, seconds. The path and the user are the client's text: escaped, so that they cannot forge a line."""
     def __init__(self, app):
         self.app = app
 
@@ -594,12 +642,21 @@ class AccessLog:
             state = scope.get("state", {})
             choices = state.get("choices", [])
             user = f" user={state['user']!r}" if state.get("user") else ""
-            access_log.info("%s %s %d %s%s prompt_tokens=%d output_tokens=%d %.3fs", scope["method"], scope["path"],
+            access_log.info("%s %s %d %s%s prompt_tokens=%d output_tokens=%d %.3fs", scope["method"],
+                            printable(scope["path"]),
                             status[0], state.get("request_id", "-"), user, sum(len(c.prompt_ids) for c in choices),
                             sum(len(c.token_ids) for c in choices), time.perf_counter() - start)
 
 
 # ---- running it ----
+
+def host_names(host: str) -> set[str] | None:
+    """The Host header names a server bound to `host` answers: this machine's names on a loopback address, any
+    name on another (it cannot know what names point at it)."""
+    if host.strip("[]") in LOOPBACK_NAMES or host.startswith("127."):
+        return LOOPBACK_NAMES | {host.strip("[]")}
+    return None
+
 
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
@@ -640,7 +697,7 @@ class Server:
         except BaseException:
             self.sock.close()
             raise
-        app = create_app(self.engine, model_name, api_key, max_body_bytes, ui)
+        app = create_app(self.engine, model_name, api_key, max_body_bytes, ui, host_names(host))
         logging.getLogger("tinyvllm").setLevel(getattr(logging, log_level.upper()))
         self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
                                                      timeout_graceful_shutdown=1))
