@@ -129,7 +129,7 @@ def run_api_server(config: EngineConfig, attach: Attachment, host: str, port: in
     import logging
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s[{attach.index}]: %(message)s")
     try:
-        server = Server(config, model_name, max_queue=max_queue, api_key=api_key, log_level=log_level, ui=ui,
+        server = Server(config, model_name, host, max_queue=max_queue, api_key=api_key, log_level=log_level, ui=ui,
                         sock=listen(host, port, reuse_port=True), attach=attach)
     except Exception as e:
         ready.put((attach.index, None, one_line(e), isinstance(e, TinyVLLMError)))
