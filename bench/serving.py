@@ -331,7 +331,9 @@ def running_server(args, device: str, max_model_len: int, max_num_seqs: int, num
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "tinyvllm", "serve", "--model", args.model, "--device", device,
                "--port", str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-               "--num-blocks", str(num_blocks), "--api-server-count", str(args.api_server_count)]
+               "--num-blocks", str(num_blocks)]
+    if args.api_server_count is not None:   # else the server's own default (serve --help says how it chooses)
+        command += ["--api-server-count", str(args.api_server_count)]
     with tempfile.NamedTemporaryFile("w+", prefix="tinyvllm-serve-", suffix=".log", delete=False) as log:
         print(f"server: {shlex.join(command)} (log: {log.name})")
         proc = start_server(command, url, log)
@@ -477,7 +479,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, help="default: the longest prompt + --output-len")
     p.add_argument("--max-num-seqs", type=int, help="server and offline (default: --concurrency, at most 256)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api-server-count", type=int, default=1, help="the server's API-server processes")
+    p.add_argument("--api-server-count", type=int, default=None,
+                   help="the server's API-server processes (default: the server's own default)")
     p.add_argument("--out", help="the result file (default: bench/results/serving-<model>-<device>-<time>.json)")
     args = p.parse_args()
     if args.concurrency is None:
@@ -565,7 +568,7 @@ def main() -> None:
                            "client_processes": args.client_processes, "max_num_seqs": max_num_seqs,
                            "max_model_len": max_model_len, "num_blocks": num_blocks, "seed": args.seed,
                            "temperature": 0, "ignore_eos_sent": ignore_eos, "warmup_requests": len(warmup.ids),
-                           "rounds": args.rounds, "api_server_count": args.api_server_count},
+                           "rounds": args.rounds, "api_server_count": args.api_server_count or "server default"},
               "rounds": rounds, "http_over_offline_per_round": per_round,
               "http_over_offline": ratios, "target_http_over_offline": TARGET}
     if args.out:

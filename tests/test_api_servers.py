@@ -122,3 +122,22 @@ def test_a_bad_model_is_one_line_and_exit_2(tmp_path):
                              "--port", "0", "--api-server-count", "2"], capture_output=True, text=True, timeout=120)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1 and "config.json" in errors[0], result.stderr
+
+
+def test_api_servers_stop_when_their_supervisor_is_killed():
+    """kill -9 of serve's supervisor (an OOM kill, a container's hard stop): its API servers and the engine stop
+    too, rather than hold the port with an engine that is gone, and the port can be served again."""
+    proc, url = start_serve("default", "--api-server-count", "2")
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert wait_for(lambda: group_gone(proc.pid), 20), "API servers or the engine outlived their supervisor"
+        port = int(url.rsplit(":", 1)[1])
+        again, url_again = start_serve("default", "--port", str(port))
+        try:
+            assert url_again == url and httpx.get(f"{url}/health").status_code == 200
+        finally:
+            os.killpg(again.pid, signal.SIGKILL)
+    finally:
+        if not group_gone(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ sends each request's tokens back to the process that sent it (engine_core.py).
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -20,6 +21,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from queue import Empty
@@ -30,7 +32,21 @@ from tinyvllm.engine.engine_core import (READY_TIMEOUT_S, Attachment, engine_add
 from tinyvllm.entrypoints.server import Server, announce, cannot_listen, listen, url_of
 from tinyvllm.errors import TinyVLLMError
 
+log = logging.getLogger(__name__)
 CHECK_S = 0.5   # how often the supervisor looks whether every process still runs
+
+
+MAX_DEFAULT_API_SERVERS = 8
+
+
+def default_api_server_count(device: str) -> int:
+    """serve's --api-server-count when none is given. On a GPU, one API process per two cores, up to 8: a fast
+    engine's clients need more HTTP, JSON and detokenizing than one core does (bench/serving.py measured 0.71 of
+    offline with one, 0.82 with eight on 16 cores), and the engine process keeps cores of its own. On the CPU,
+    one: the NumPy engine needs the cores itself."""
+    if device != "cuda":
+        return 1
+    return max(1, min(MAX_DEFAULT_API_SERVERS, (os.cpu_count() or 1) // 2))
 
 
 def serve_many(config: EngineConfig, count: int, model_name: str = "default", host: str = "127.0.0.1",
@@ -106,6 +122,15 @@ def wait_ready(ready, servers: list, engine) -> dict:
     return info
 
 
+def stop_when_orphaned(server: Server, parent: int) -> None:
+    """An API server whose supervisor was killed (kill -9, an OOM kill) stops too, instead of holding the port
+    for a new server and answering with an engine that is gone."""
+    while os.getppid() == parent:
+        time.sleep(CHECK_S)
+    log.warning("the supervisor process is gone; this API server stops")
+    server.uvicorn.should_exit = True
+
+
 def stop(servers: list, engine) -> None:
     """API servers first (SIGTERM: uvicorn finishes politely), then the engine they talk to."""
     for server in servers:
@@ -126,7 +151,6 @@ def stop(servers: list, engine) -> None:
 def run_api_server(config: EngineConfig, attach: Attachment, host: str, port: int, model_name: str,
                    max_queue: int, api_key: str | None, ui: bool, log_level: str, ready) -> None:
     """One API server's process: reach the engine, say so, serve on the shared socket until told to stop."""
-    import logging
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s[{attach.index}]: %(message)s")
     try:
         server = Server(config, model_name, host, max_queue=max_queue, api_key=api_key, log_level=log_level, ui=ui,
@@ -135,6 +159,7 @@ def run_api_server(config: EngineConfig, attach: Attachment, host: str, port: in
         ready.put((attach.index, None, one_line(e), isinstance(e, TinyVLLMError)))
         return
     ready.put((attach.index, server.engine.info, None, True))
+    threading.Thread(target=stop_when_orphaned, args=(server, os.getppid()), daemon=True).start()
     try:
         server.serve()
     finally:

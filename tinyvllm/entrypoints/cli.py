@@ -84,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 routes (or set TINYVLLM_API_KEY)")
     serve.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
                        help="a live page at / that draws the KV pool, the queues and each step's batch")
-    serve.add_argument("--api-server-count", type=_positive_int, default=1,
+    serve.add_argument("--api-server-count", type=_positive_int, default=None,
                        help="API-server processes in front of the one engine (HTTP, JSON and detokenizing "
-                            "for many clients take more than one core)")
+                            "for many clients take more than one core); default: on a GPU one per two cores, "
+                            "up to 8; on the CPU 1")
 
     info = sub.add_parser("info", parents=[debug],
                           help="the model's config and memory map (weights and buffers)")
@@ -188,9 +189,11 @@ def cmd_serve(args) -> None:
     config = EngineConfig(args.model, args.device, args.max_model_len, args.num_blocks, args.gpu_memory_utilization,
                           args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching,
                           batch_invariant=args.batch_invariant)
-    if args.api_server_count > 1:
-        from tinyvllm.entrypoints.api_servers import serve_many
-        return serve_many(config, args.api_server_count, args.model, args.host, args.port, args.max_queue,
+    from tinyvllm.entrypoints.api_servers import default_api_server_count, serve_many
+    from tinyvllm.model.backend import resolve_device
+    count = args.api_server_count or default_api_server_count(resolve_device(args.device))
+    if count > 1:
+        return serve_many(config, count, args.model, args.host, args.port, args.max_queue,
                           api_key=args.api_key, ui=args.ui)
     server = Server(config, args.model, args.host, args.port, args.max_queue, api_key=args.api_key, ui=args.ui)
     announce(args.model, server.engine.info, server.url, args.ui)
