@@ -11,9 +11,8 @@ are timed three ways (x_wt, w_xt, w_xt_padded) with NumPy's default threads:
 A fourth column, torch_linear, runs the same X W^T through torch.nn.functional.linear (Intel MKL in the CPU wheels,
 torch's default threads), the library transformers' CPU prefill runs on: what the CPU prefill's target in
 BENCHMARKS.md is up against. Each way starts after a 0.3 s pause (the other library's threads stop spinning). The
-NumPy outputs are compared bit for bit with X W^T's (where T * N <= 1200, X W^T runs OpenBLAS's small-matrix kernel,
-which sums in another order: gemm_numpy pads its rows past it, so such rows do not differ there). Writes
-bench/results/gemm_orientation-<time>.json.
+NumPy outputs are compared bit for bit with X W^T's, a fact about this machine's BLAS (the orders of its kernels),
+recorded, not a property the engine relies on. Writes bench/results/gemm_orientation-<time>.json.
 
     python bench/gemm_orientation.py [--rows 2 3 4 5 8 13 16 24 37 48 57 64 96]
 """
