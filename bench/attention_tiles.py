@@ -155,11 +155,10 @@ def main() -> None:
             print(f"T {T:6d} start {start:6d} {label:8s} {str(shape):18s} {seconds * 1e3:8.3f} ms "
                   f"{flop / seconds / 1e12:6.1f} TFLOP/s  err {error:.1e}  regs {rows[-1]['registers']}")
             assert error < 1e-2, f"{label} {shape}: relative error {error} (seed {args.seed})"
-    path = write_result("attention_tiles", {"benchmark": "attention_tiles", "machine": machine(), "seed": args.seed,
+    write_result("attention_tiles", {"benchmark": "attention_tiles", "machine": machine(), "seed": args.seed,
                                             "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                             "shape_fields": ["warp_rows", "tile", "key_tile", "kv_stages",
                                                              "blocks_per_sm"], "results": rows})
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def main() -> None:
     if args.device == "cuda":
         from bench.gpu_common import machine, write_result
         result["machine"] = machine()
-        print("wrote", write_result("chunked_prefill", result))
+        write_result("chunked_prefill", result)
 
 
 if __name__ == "__main__":

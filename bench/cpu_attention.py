@@ -69,11 +69,10 @@ def main() -> None:
                      "same_bits": same})
         print(f"  {length:5d} keys: gathered {times['gathered']:7.1f}   in order (one slice) {times['in order']:7.1f}"
               f"   same bits {same}")
-    path = write_result("cpu_attention", {
+    write_result("cpu_attention", {
         "benchmark": "cpu_attention", "command": " ".join(["python", "bench/cpu_attention.py", *sys.argv[1:]]),
         "seed": args.seed, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "threads": thread_settings(),
         "load_average_at_start": load_at_start, "numpy_version": np.__version__, "results": rows})
-    print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -65,11 +65,10 @@ def main() -> None:
     for name, r in results.items():
         print(f"  {name:8} numpy {r['numpy']['gflops']:6.1f}   torch {r['torch']['gflops']:6.1f}   "
               f"numpy / torch {r['numpy']['gflops'] / r['torch']['gflops']:.2f}")
-    path = write_result("cpu_gemm", {
+    write_result("cpu_gemm", {
         "benchmark": "cpu_gemm", "command": " ".join(["python", "bench/cpu_gemm.py", *sys.argv[1:]]),
         "tokens": args.tokens, "shapes": SHAPES, "threads": 1, "load_average_at_start": load_at_start,
         "numpy_version": np.__version__, "torch_version": torch.__version__, "results": results})
-    print("wrote", path)
 
 
 if __name__ == "__main__":

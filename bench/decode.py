@@ -392,7 +392,6 @@ def main(argv: list[str] | None = None) -> Path:
                                   "kernel_ms": invariant_run["kernel_ms"]}}
     report(result)
     path = write_result("decode" if args.device == "cuda" else "decode-cpu", result)
-    print("wrote", path)
     return path
 
 

@@ -117,14 +117,13 @@ def main() -> None:
               f"({row['w_xt_padded_streamed_ms'] / row['x_wt_streamed_ms']:.2f})   "
               f"torch {row['torch_linear_streamed_ms']:6.1f};   hot: {row['x_wt_hot_ms']:6.1f} / "
               f"{row['w_xt_hot_ms']:6.1f} / {row['w_xt_padded_hot_ms']:6.1f}   same bits {same}")
-    path = write_result("gemm_orientation", {
+    write_result("gemm_orientation", {
         "benchmark": "gemm_orientation", "command": " ".join(["python", "bench/gemm_orientation.py", *sys.argv[1:]]),
         "seed": args.seed, "shapes": SHAPES, "layers": LAYERS, "threads": thread_settings(),
         "transposed_gemm_max_rows": TRANSPOSED_GEMM_MAX_ROWS, "transposed_gemm_pad": TRANSPOSED_GEMM_PAD,
         "load_average_at_start": load_at_start,
         "numpy_version": np.__version__, "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
         "results": rows})
-    print("wrote", path)
 
 
 if __name__ == "__main__":

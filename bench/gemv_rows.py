@@ -63,7 +63,6 @@ def main(argv: list[str] | None = None) -> Path:
               "steps": args.steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows, "fastest": fastest}
     path = write_result("gemv_rows", result)
     print("fastest mode per batch:", fastest)
-    print("wrote", path)
     return path
 
 

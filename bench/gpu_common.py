@@ -72,10 +72,12 @@ def bf16_gemm_rate(n: int = 8192) -> float:
     return 2 * n**3 / time_gpu(lambda: gemm_cublas(x, w, out))
 
 
-def write_result(name: str, result: dict) -> Path:
-    """bench/results/<name>-<time>.json, with the load average at the end of the run beside the figures."""
+def write_result(name: str, result: dict, out: str | None = None) -> Path:
+    """bench/results/<name>-<time>.json (or `out`, a script's --out), with the load average at the end of the run
+    beside the figures; says where it wrote."""
     result = {**result, "load_average_at_end": os.getloadavg()}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = Path(out) if out else RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2))
+    print("wrote", path)
     return path

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -81,10 +80,7 @@ def main() -> None:
               "command": " ".join(["python", "bench/openai_bursts.py", *sys.argv[1:]]), "bursts": bursts,
               "lost": sum(b["failed"] for b in bursts)}
     print(f"lost {result['lost']} of {sum(b['requests'] for b in bursts)}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    else:
-        print("wrote", write_result("openai_bursts", result))
+    write_result("openai_bursts", result, args.out)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def main() -> None:
     result = {"benchmark": "paged_attention", "machine": machine(), "copy_bandwidth_gb_s": bandwidth / 1e9,
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "layers": 1},
               "results": rows}
-    print("wrote", write_result("paged_attention", result))
+    write_result("paged_attention", result)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def main() -> None:
     result = {"benchmark": "prefill", "machine": machine(), "model": str(model_dir), "config": vars(model.cfg),
               "bf16_gemm_tflops_measured": peak_flops / 1e12, "copy_bandwidth_gb_s": bandwidth / 1e9,
               "results": rows}
-    print("wrote", write_result("prefill", result))
+    write_result("prefill", result)
 
 
 if __name__ == "__main__":

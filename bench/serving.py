@@ -571,12 +571,8 @@ def main() -> None:
                            "rounds": args.rounds, "api_server_count": args.api_server_count or "server default"},
               "rounds": rounds, "http_over_offline_per_round": per_round,
               "http_over_offline": ratios, "target_http_over_offline": TARGET}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        print("wrote", args.out)
-    else:
-        name = args.model if args.model == "default" else Path(args.model).name
-        print("wrote", write_result(f"serving-{name}-{device}", result))
+    name = args.model if args.model == "default" else Path(args.model).name
+    write_result(f"serving-{name}-{device}", result, args.out)
 
 
 if __name__ == "__main__":

@@ -181,7 +181,7 @@ def main() -> None:
               "workload": {"requests": args.requests, "prompt_len": [100, 1024], "output_len": [100, 1024],
                            "seed": 0, "ignore_eos": True, "total_output_tokens": int(sum(outputs))},
               "copy_bandwidth_gb_s": bandwidth / 1e9, "results": rows, "batch_invariant": invariant}
-    print("wrote", write_result("throughput", result))
+    write_result("throughput", result)
 
 
 if __name__ == "__main__":

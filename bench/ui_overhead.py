@@ -158,11 +158,7 @@ def main() -> None:
                            "rounds": args.rounds},
               "runs": runs, "ratios": ratios, "ratio_watched_over_unwatched": ratio,
               "snapshot_share_of_watched_run": share}
-    if args.out:
-        Path(args.out).write_text(json.dumps({**result, "load_average_at_end": os.getloadavg()}, indent=2))
-        print("wrote", args.out)
-    else:
-        print("wrote", write_result("ui_overhead", result))
+    write_result("ui_overhead", result, args.out)
 
 
 if __name__ == "__main__":
