@@ -4,18 +4,25 @@ Each burst sends --requests chat requests ("Tell me a long story about a robot n
 --in-flight at once, through a NEW AsyncOpenAI client (max_retries=0) that is never closed, so each burst finds
 the last one's connections still open. --pattern says which bursts stream (with include_usage) and which do not;
 --leave-streams makes every stream stop reading at its finish chunk without closing (the usage chunk and
-[DONE] unread). Prints and writes per burst: requests, failed (with the errors), seconds.
+[DONE] unread: output tokens are then the chunks that carried text, input tokens are not counted). Prints and
+writes per burst: completed, failed (with the errors), seconds, and bench/serving.py's figures (throughputs,
+TTFT, TPOT, ITL, E2EL).
+
+The requests, the client per burst and the figures are bench/serving.py's (`--client openai`); what this script
+adds is the pattern: one process, bursts back to back against a server that someone started with whatever
+flags, without the offline runs that serving.py puts between its rounds (an idle gap longer than the server's
+keep-alive timeout closes the earlier clients' connections, which is part of what is probed here).
 
     python -m tinyvllm serve --model default &
     python bench/openai_bursts.py --url http://127.0.0.1:8000 [--pattern stream,nostream] [--requests 256]
-        [--in-flight 128] [--max-tokens 128] [--timeout 45] [--leave-streams] [--out PATH]
+        [--in-flight 128] [--max-tokens 128] [--timeout 45] [--leave-streams] [--api-key KEY] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import sys
-import time
 from pathlib import Path
 
 import openai
@@ -23,40 +30,24 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from bench.gpu_common import write_result  # noqa: E402
+from bench.serving import ROUTES, ClientSpec, Job, request_body, send_all, summarize  # noqa: E402
 
 
-async def request(client: openai.AsyncOpenAI, model: str, i: int, stream: bool, args) -> str | None:
-    """None when it completed, else the error."""
-    chat = dict(model=model, max_tokens=args.max_tokens, temperature=0, messages=[
-        {"role": "user", "content": f"Tell me a long story about a robot named R{i}, with many details."}])
-    try:
-        if not stream:
-            await client.chat.completions.create(**chat)
-            return None
-        events = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **chat)
-        async for chunk in events:
-            if args.leave_streams and chunk.choices and chunk.choices[0].finish_reason:
-                break
-        return None
-    except Exception as e:  # noqa: BLE001 - counted and reported, the burst goes on
-        return f"{type(e).__name__}: {e}"[:160]
+def story_jobs(args, model: str, stream: bool) -> list[Job]:
+    return [Job(i, 0.0, args.max_tokens, request_body(
+        "chat", [{"role": "user", "content": f"Tell me a long story about a robot named R{i}, with many details."}],
+        args.max_tokens, stream, False, model)) for i in range(args.requests)]
 
 
-async def burst(args, model: str, stream: bool) -> dict:
-    client = openai.AsyncOpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, max_retries=0,
-                                timeout=args.timeout)   # never closed, as a script's client per task
-    gate = asyncio.Semaphore(args.in_flight)
-
-    async def limited(i: int):
-        async with gate:
-            return await request(client, model, i, stream, args)
-    start = time.monotonic()
-    errors = [e for e in await asyncio.gather(*(limited(i) for i in range(args.requests))) if e is not None]
-    result = {"stream": stream, "requests": args.requests, "failed": len(errors), "errors": sorted(set(errors))[:5],
-              "seconds": round(time.monotonic() - start, 2)}
-    print(f"{'stream' if stream else 'no-stream':>9}: {len(errors)} of {args.requests} failed in "
-          f"{result['seconds']} s {result['errors'][:2]}", flush=True)
-    return result
+async def burst(args, spec: ClientSpec, model: str, stream: bool) -> dict:
+    """One burst through a new client (send_all makes it, and never closes it)."""
+    row = {"stream": stream} | summarize(await send_all(spec, story_jobs(args, model, stream), args.in_flight),
+                                         stream, {})
+    e2el = row["e2el_ms"]
+    print(f"{'stream' if stream else 'no-stream':>9}: {row['failed']} of {row['requests']} failed in "
+          f"{row['duration_s']:.2f} s, {row['output_throughput']:,.1f} output tok/s, E2EL median "
+          f"{e2el['median'] if e2el else float('nan'):.1f} ms {row['error_examples'][:2]}", flush=True)
+    return row
 
 
 def main() -> None:
@@ -72,12 +63,13 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     model = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key).models.list().data[0].id
+    spec = ClientSpec("openai", args.url, ROUTES["chat"], args.timeout, args.leave_streams, args.api_key)
 
-    async def run():
-        return [await burst(args, model, kind == "stream") for kind in args.pattern.split(",")]
+    async def run() -> list[dict]:   # one event loop for every burst: the earlier clients stay alive, as in a script
+        return [await burst(args, spec, model, kind == "stream") for kind in args.pattern.split(",")]
     bursts = asyncio.run(run())
-    result = {"benchmark": "openai_bursts", "url": args.url, "model": model,
-              "command": " ".join(["python", "bench/openai_bursts.py", *sys.argv[1:]]), "bursts": bursts,
+    result = {"benchmark": "openai_bursts", "url": args.url, "model": model, "openai": openai.__version__,
+              "command": shlex.join(["python", "bench/openai_bursts.py", *sys.argv[1:]]), "bursts": bursts,
               "lost": sum(b["failed"] for b in bursts)}
     print(f"lost {result['lost']} of {sum(b['requests'] for b in bursts)}")
     write_result("openai_bursts", result, args.out)

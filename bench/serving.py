@@ -9,16 +9,24 @@ tokens/s that `LLM.generate` reaches on the same machine, model, prompts and bat
   2. the server, started as a subprocess on a free port, ready once GET /health answers 200, then warmed up;
      beside it, an `LLM` in this process (the offline engine, same limits and pool size), warmed up too;
   3. one offline run (prompts of the same lengths through `LLM.generate` while the server idles), then
-     --rounds rounds, each: per mode (stream, then no-stream, on the same server) the requests go out
-     from --client-processes processes, each an asyncio loop with httpx, at most --concurrency in flight
-     in all (or arriving as a Poisson process of --request-rate per second, as vLLM's), each request
-     timed; then another offline run. The denominator of a round is the mean of the offline runs before
-     and after it. Interleaving matters: on a shared machine the same engine's throughput drifts by tens
-     of percent over minutes, and a ratio of two runs far apart measures the drift; bracketing cancels a
-     drift that is steady over the round;
+     --rounds rounds, each: per mode (stream, then no-stream, on the same server) one burst of the requests from
+     --client-processes processes, at most --concurrency in flight in all (or arriving as a Poisson process of
+     --request-rate per second, as vLLM's), each request timed; then another offline run. The denominator of a
+     round is the mean of the offline runs before and after it. Interleaving matters: on a shared machine the
+     same engine's throughput drifts by tens of percent over minutes, and a ratio of two runs far apart
+     measures the drift; bracketing cancels a drift that is steady over the round;
   4. the server stopped (SIGINT to its process group, then kill);
-  5. the median round's table, the ratio per round and its median, and
+  5. per mode, the median round's figures in `vllm bench serve`'s terms (completed and failed requests; request,
+     goodput and input/output/total token throughput; TTFT, TPOT, ITL and E2EL: mean, median, std, p90, p99),
+     the same over all rounds, the ratio per round and its median, and
      bench/results/serving-<model>-<device>-<time>.json (or --out).
+
+The clients: each process is one asyncio loop for the whole run (as a script is) and makes a new client for
+every burst: `--client http` (the default) an httpx.AsyncClient, closed after its burst, that posts the JSON and
+parses the server-sent events itself; `--client openai` the official package's AsyncOpenAI (max_retries=0),
+never closed, so a burst runs beside the idle connections of the earlier ones, as in a user's script.
+`--goodput ttft:MS tpot:MS e2el:MS` (any of them) counts, as vLLM's, the completed requests per second that
+meet every bound; without streaming no chunk marks the first token, so only an e2el bound is measured there.
 
 Why several client processes: one Python process that parses a few thousand server-sent events a
 second runs out of CPU before a fast engine does, and the benchmark would measure the client.
@@ -27,8 +35,9 @@ serve the second run's prompts from memory and flatter it.
 
     python bench/serving.py [--model default] [--device auto] [--num-requests 256] [--input-len 1024]
         [--output-len 128] [--concurrency 128 | --request-rate R] [--endpoint completions|chat]
-        [--stream | --no-stream] [--client-processes 8] [--num-blocks B] [--max-model-len L]
-        [--max-num-seqs S] [--rounds 3] [--seed 0] [--out PATH]
+        [--stream | --no-stream] [--client-processes 8] [--client http|openai] [--goodput NAME:MS ...]
+        [--num-blocks B] [--max-model-len L] [--max-num-seqs S] [--rounds 3] [--seed 0] [--api-server-count N]
+        [--out PATH]
 
 CPU smoke run: python bench/serving.py --device cpu --num-requests 8 --concurrency 4 --output-len 8 \
                    --input-len 16 --client-processes 2 --rounds 2 --out /tmp/serving.json
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -48,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from queue import Empty
 from typing import NamedTuple
@@ -63,6 +73,8 @@ from bench.gpu_common import write_result  # noqa: E402
 
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MODES = {"stream": True, "no-stream": False}
+# request fields that are vLLM's, not OpenAI's: the official client sends them through extra_body
+OPENAI_EXTRAS = ("ignore_eos",)
 TARGET = 0.9                 # DESIGN.md: HTTP output tokens/s >= 90% of offline
 WARMUP_PROMPT_LEN = 16
 REQUEST_TIMEOUT_S = 600      # a server that hangs fails its requests instead of hanging the benchmark
@@ -141,63 +153,121 @@ def jobs_for(args, prompts: Prompts, stream: bool, ignore_eos: bool, model: str,
 
 # ---- the client processes ----
 
-def run_clients(url: str, route: str, jobs: list[Job], concurrency: int, processes: int) -> list[dict]:
-    """Send the jobs from `processes` client processes sharing `concurrency`; one result per job."""
-    ctx = mp.get_context("spawn")   # fresh interpreters: nothing of this process (a CUDA context) is inherited
-    n = max(1, min(processes, concurrency, len(jobs)))
-    barrier, queue = ctx.Barrier(n), ctx.Queue()   # the queue brings each process's results back
-    shares = [concurrency // n + (k < concurrency % n) for k in range(n)]
-    # round robin: with Poisson arrivals each process gets every n-th arrival, spread over the whole run
-    # daemons: if this process stops on an error, its clients stop with it rather than keep it waiting
-    procs = [ctx.Process(target=client_process, args=(url, route, jobs[k::n], shares[k], barrier, queue), daemon=True)
-             for k in range(n)]
-    for p in procs:
-        p.start()
-    results = []
-    while len(results) < len(jobs):
-        try:
-            results += queue.get(timeout=1)
-        except Empty:   # a client that died (not a failed request: those are results) hangs nothing
-            if any(p.exitcode for p in procs):
-                raise RuntimeError("a client process failed; see its traceback above") from None
-    for p in procs:
-        p.join()
-    return sorted(results, key=lambda r: r["index"])
+class ClientSpec(NamedTuple):
+    """How the client processes talk to the server."""
+    kind: str                # "http": httpx, one client a burst, closed after it; "openai": see burst_sender
+    url: str
+    route: str               # the raw HTTP route; the openai client picks its own from the body
+    timeout: float = REQUEST_TIMEOUT_S
+    leave_streams: bool = False   # openai: stop reading a stream at its finish chunk and never close it
+    api_key: str = "none"    # openai: the client needs one; a server started without --api-key takes any
 
 
-def client_process(url: str, route: str, jobs: list[Job], concurrency: int, barrier, queue) -> None:
-    queue.put(asyncio.run(send_all(url, route, jobs, concurrency, barrier)))
+class ClientPool:
+    """`processes` client processes that live as long as the pool, each one event loop for its whole life, as a
+    script is: the clients that an earlier burst left open are still open, idle, when the next burst runs."""
+
+    def __init__(self, spec: ClientSpec, processes: int):
+        ctx = mp.get_context("spawn")   # fresh interpreters: nothing of this process (a CUDA context) is inherited
+        self.barrier, self.outbox = ctx.Barrier(processes), ctx.Queue()   # every burst starts at once
+        self.inboxes = [ctx.Queue() for _ in range(processes)]
+        # daemons: if this process stops on an error, its clients stop with it rather than keep it waiting
+        self.procs = [ctx.Process(target=client_process, args=(spec, inbox, self.outbox, self.barrier), daemon=True)
+                      for inbox in self.inboxes]
+        for p in self.procs:
+            p.start()
+
+    def burst(self, jobs: list[Job], concurrency: int) -> list[dict]:
+        """Send the jobs from the processes sharing `concurrency`; one result per job, in job order."""
+        n = max(1, min(len(self.procs), concurrency, len(jobs)))
+        shares = [concurrency // n + (k < concurrency % n) for k in range(n)]
+        # round robin: with Poisson arrivals each process gets every n-th arrival, spread over the whole run;
+        # the processes beyond n get nothing to send but still pass the barrier
+        for k, inbox in enumerate(self.inboxes):
+            inbox.put((jobs[k::n], shares[k]) if k < n else ([], 0))
+        results, reports = [], 0
+        while reports < len(self.procs):
+            try:
+                results += self.outbox.get(timeout=1)
+                reports += 1
+            except Empty:   # a client that died (not a failed request: those are results) hangs nothing
+                if any(p.exitcode is not None for p in self.procs):
+                    raise RuntimeError("a client process failed; see its traceback above") from None
+        return sorted(results, key=lambda r: r["index"])
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():   # stopped mid-burst (an error, Ctrl-C): it would not read the None
+                p.terminate()
 
 
-async def send_all(url: str, route: str, jobs: list[Job], concurrency: int, barrier) -> list[dict]:
-    # httpx keeps at most 100 connections by default: a larger share would queue inside the client
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
-        gate = asyncio.Semaphore(concurrency)
-        barrier.wait()   # every process starts at once (blocking is fine: this loop runs nothing yet)
+@contextmanager
+def client_pool(spec: ClientSpec, processes: int):
+    pool = ClientPool(spec, processes)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def client_process(spec: ClientSpec, inbox, outbox, barrier) -> None:
+    asyncio.run(client_loop(spec, inbox, outbox, barrier))
+
+
+async def client_loop(spec: ClientSpec, inbox, outbox, barrier) -> None:
+    """Bursts until None. The waits run in threads so that the loop, and the connections that earlier bursts'
+    clients hold, stay serviced between bursts, as in a script that awaits something else meanwhile."""
+    loop = asyncio.get_running_loop()
+    while (burst := await loop.run_in_executor(None, inbox.get)) is not None:
+        jobs, concurrency = burst
+        await loop.run_in_executor(None, barrier.wait)
+        outbox.put(await send_all(spec, jobs, concurrency))
+
+
+async def send_all(spec: ClientSpec, jobs: list[Job], concurrency: int) -> list[dict]:
+    """One burst through one new client: at most `concurrency` in flight, each job not before its send_at."""
+    gate = asyncio.Semaphore(max(concurrency, 1))
+    async with burst_sender(spec, concurrency) as send:
         start = time.monotonic()
 
         async def one(job: Job) -> dict:
             await asyncio.sleep(job.send_at - (time.monotonic() - start))   # a negative wait returns at once
             async with gate:
-                return await send(client, route, job)
+                return await timed(job, send)
 
         return await asyncio.gather(*map(one, jobs))
+
+
+@asynccontextmanager
+async def burst_sender(spec: ClientSpec, concurrency: int):
+    """A burst's client, as a function of (body, record) -> usage."""
+    if spec.kind == "openai":
+        import openai
+        # a user's script: the defaults but no retries (a retry would hide a lost request), and never closed
+        client = openai.AsyncOpenAI(base_url=f"{spec.url}/v1", api_key=spec.api_key, max_retries=0,
+                                    timeout=spec.timeout)
+        yield lambda body, r: openai_request(client, body, r, spec.leave_streams)
+        return
+    # httpx keeps at most 100 connections by default: a larger share would queue inside the client
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=spec.url, limits=limits, timeout=spec.timeout) as client:
+        yield lambda body, r: (read_stream(client, spec.route, body, r) if body["stream"]
+                               else read_whole(client, spec.route, body))
 
 
 class RequestFailed(Exception):
     """The server answered, but not with a completion."""
 
 
-async def send(client: httpx.AsyncClient, route: str, job: Job) -> dict:
+async def timed(job: Job, send) -> dict:
     """One request, timed. A failure is recorded in the result, not raised: the others go on."""
-    r = {"index": job.index, "max_tokens": job.max_tokens, "start": time.monotonic(), "ttft": None, "itl": [],
-         "prompt_tokens": 0, "completion_tokens": 0, "error": None}
+    r = {"index": job.index, "max_tokens": job.max_tokens, "start": time.monotonic(), "ttft": None, "last": None,
+         "itl": [], "prompt_tokens": 0, "completion_tokens": 0, "error": None}
     try:
-        if job.body["stream"]:
-            usage = await read_stream(client, route, job.body, r)
-        else:
-            usage = await read_whole(client, route, job.body)
+        usage = await send(job.body, r)
         if not usage:
             raise RequestFailed("the response carries no usage")
         r["prompt_tokens"], r["completion_tokens"] = usage["prompt_tokens"], usage["completion_tokens"]
@@ -205,6 +275,17 @@ async def send(client: httpx.AsyncClient, route: str, job: Job) -> dict:
         r["error"] = f"{type(e).__name__}: {e}"
     r["end"] = time.monotonic()
     return r
+
+
+def mark_text(r: dict) -> None:
+    """A chunk that carries text arrived: TTFT at the first, ITL between them (a chunk can carry several tokens:
+    the server releases text once it is complete UTF-8)."""
+    now = time.monotonic()
+    if r["last"] is None:
+        r["ttft"] = now - r["start"]
+    else:
+        r["itl"].append(now - r["last"])
+    r["last"] = now
 
 
 async def read_whole(client: httpx.AsyncClient, route: str, body: dict) -> dict | None:
@@ -215,9 +296,8 @@ async def read_whole(client: httpx.AsyncClient, route: str, body: dict) -> dict 
 
 
 async def read_stream(client: httpx.AsyncClient, route: str, body: dict, r: dict) -> dict | None:
-    """Server-sent events: TTFT at the first chunk that carries text, ITL between such chunks (a chunk can
-    carry several tokens: the server releases text once it is complete UTF-8), the usage from the last."""
-    usage, last = None, None
+    """Server-sent events, the usage from the last."""
+    usage = None
     async with client.stream("POST", route, json=body) as response:
         if response.status_code != 200:
             raise RequestFailed(f"HTTP {response.status_code}: {error_message((await response.aread()).decode())}")
@@ -229,12 +309,7 @@ async def read_stream(client: httpx.AsyncClient, route: str, body: dict, r: dict
                 raise RequestFailed(chunk["error"].get("message"))
             usage = chunk.get("usage") or usage
             if chunk_text(chunk):
-                now = time.monotonic()
-                if last is None:
-                    r["ttft"] = now - r["start"]
-                else:
-                    r["itl"].append(now - last)
-                last = now
+                mark_text(r)
     return usage
 
 
@@ -244,6 +319,29 @@ def chunk_text(chunk: dict) -> str:
         return ""
     choice = chunk["choices"][0]
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def openai_request(client, body: dict, r: dict, leave_streams: bool) -> dict | None:
+    """The same request through the official client: its own fields as arguments, vLLM's extras in extra_body.
+    The client raises on an HTTP error and on an error event."""
+    fields = {k: v for k, v in body.items() if k not in OPENAI_EXTRAS}
+    extra = {k: v for k, v in body.items() if k in OPENAI_EXTRAS}
+    api = client.chat.completions if "messages" in body else client.completions
+    response = await api.create(**fields, extra_body=extra or None)
+    if not body["stream"]:
+        return response.usage and response.usage.model_dump()
+    usage = None
+    async for chunk in response:
+        usage = chunk.usage.model_dump() if chunk.usage else usage
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        if getattr(choice, "text", None) or getattr(getattr(choice, "delta", None), "content", None):
+            mark_text(r)
+        if leave_streams and choice.finish_reason:
+            # the usage chunk stays unread: the text chunks stand for the tokens, the prompt is not counted
+            return {"prompt_tokens": 0, "completion_tokens": len(r["itl"]) + (r["ttft"] is not None)}
+    return usage
 
 
 def error_message(text: str) -> str:
@@ -309,15 +407,15 @@ def served_model(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def warm_up_server(url: str, args, prompts: Prompts, model: str) -> bool:
+def warm_up_server(pool: ClientPool, args, prompts: Prompts, model: str) -> bool:
     """Warm the server up; returns whether it takes `ignore_eos` (the warm-up doubles as the probe)."""
-    route, size = ROUTES[args.endpoint], len(prompts.ids)
+    size = len(prompts.ids)
     ignore_eos = True
-    results = run_clients(url, route, jobs_for(args, prompts, False, ignore_eos, model, [0.0] * size), size, 1)
+    results = pool.burst(jobs_for(args, prompts, False, ignore_eos, model, [0.0] * size), size)
     if any(r["error"] and "ignore_eos" in r["error"] for r in results):
         print("the server refuses ignore_eos; sending requests without it (a response may stop at EOS)")
         ignore_eos = False
-        results = run_clients(url, route, jobs_for(args, prompts, False, ignore_eos, model, [0.0] * size), size, 1)
+        results = pool.burst(jobs_for(args, prompts, False, ignore_eos, model, [0.0] * size), size)
     errors = [r["error"] for r in results if r["error"]]
     if errors:
         print(f"warm-up: {len(errors)} of {size} requests failed, e.g. {errors[0]}")
@@ -343,18 +441,20 @@ def running_server(args, device: str, max_model_len: int, max_num_seqs: int, num
             stop_server(proc)
 
 
-def run_mode(args, url: str, model: str, mode: str, prompts: Prompts, ignore_eos: bool,
-             rng: np.random.Generator, group: int) -> dict:
+def run_mode(args, pool: ClientPool, model: str, mode: str, prompts: Prompts, ignore_eos: bool,
+             rng: np.random.Generator, group: int) -> tuple[dict, list[dict]]:
+    """One burst of the workload in one mode: its figures, and the requests' results."""
     jobs = jobs_for(args, prompts, MODES[mode], ignore_eos, model,
                     arrival_times(len(prompts.ids), args.request_rate, rng))
     before = cpu_seconds(group)
-    row = summarize(run_clients(url, ROUTES[args.endpoint], jobs, args.concurrency, args.client_processes))
+    results = pool.burst(jobs, args.concurrency)
     after = cpu_seconds(group)
+    row = summarize(results, MODES[mode], args.goodput)
     row["server_cpu_s"] = {side: after[side] - before[side] for side in after}   # where the server's time went
     cpu = ", ".join(f"{side} {seconds:.2f} s" for side, seconds in row["server_cpu_s"].items())
-    print(f"  {mode}: {row['output_throughput']:,.1f} output tok/s in {row['duration_s']:.2f} s, {row['errors']} errors;"
-          f" CPU time: {cpu or 'not measured (no /proc)'}")
-    return row
+    print(f"  {mode}: {row['output_throughput']:,.1f} output tok/s in {row['duration_s']:.2f} s, "
+          f"{row['completed']} completed, {row['failed']} failed; CPU time: {cpu or 'not measured (no /proc)'}")
+    return row, results
 
 
 def cpu_seconds(group: int) -> dict[str, float]:
@@ -389,10 +489,12 @@ def run_offline(llm, prompts: Prompts) -> dict:
     start = time.monotonic()
     outputs = generate(llm, prompts)
     seconds = time.monotonic() - start
-    tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"  offline: {tokens / seconds:,.1f} output tok/s")
-    return {"requests": len(outputs), "duration_s": seconds, "request_throughput": len(outputs) / seconds,
-            "output_tokens": tokens, "output_throughput": tokens / seconds}
+    n_in, n_out = sum(len(ids) for ids in prompts.ids), sum(len(o.token_ids) for o in outputs)
+    print(f"  offline: {n_out / seconds:,.1f} output tok/s")
+    return {"requests": len(outputs), "completed": len(outputs), "duration_s": seconds,
+            "total_input_tokens": n_in, "total_output_tokens": n_out, "request_throughput": len(outputs) / seconds,
+            "input_throughput": n_in / seconds, "output_throughput": n_out / seconds,
+            "total_token_throughput": (n_in + n_out) / seconds}
 
 
 def generate(llm, prompts: Prompts) -> list:
@@ -403,60 +505,131 @@ def generate(llm, prompts: Prompts) -> list:
 
 # ---- the figures ----
 
+SLO_NAMES = ("ttft", "tpot", "e2el")   # what --goodput may bound, as vLLM's
+PERCENTILES = (90, 99)
+# the figures that are rates over a run; the rounds give each a median and a spread
+RATES = ("request_throughput", "request_goodput", "input_throughput", "output_throughput", "total_token_throughput")
+
+
 def stats_ms(seconds: list[float]) -> dict | None:
+    """Mean, median, standard deviation (of the population, as numpy's and vLLM's) and percentiles, in ms."""
     if not seconds:
         return None
     ms = 1e3 * np.asarray(seconds)
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p99": float(np.percentile(ms, 99))}
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std())} | {
+        f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}
 
 
-def summarize(results: list[dict]) -> dict:
-    """vLLM's figures: the duration runs from the first request sent to the last response read; TPOT is
-    a request's time after its first token over its tokens after the first."""
+def request_times(r: dict) -> dict[str, float | None]:
+    """A completed request's TTFT, TPOT and E2EL in seconds, as vLLM's: TPOT is the time after the first token
+    over the tokens after it, and 0 for a single token. Without streaming no chunk marks the first token: TTFT
+    and TPOT are None, as for a stream whose chunks carried no text."""
+    e2el = r["end"] - r["start"]
+    if r["ttft"] is None:
+        return {"ttft": None, "tpot": None, "e2el": e2el}
+    after_first = r["completion_tokens"] - 1
+    return {"ttft": r["ttft"], "tpot": (e2el - r["ttft"]) / after_first if after_first > 0 else 0.0, "e2el": e2el}
+
+
+def latency_stats(ok: list[dict]) -> dict:
+    """TTFT, TPOT (requests of more than one token, as vLLM's), ITL and E2EL over the completed requests."""
+    times = [request_times(r) for r in ok]
+    return {"ttft_ms": stats_ms([t["ttft"] for t in times if t["ttft"] is not None]),
+            "tpot_ms": stats_ms([t["tpot"] for t, r in zip(times, ok)
+                                 if t["tpot"] is not None and r["completion_tokens"] > 1]),
+            "itl_ms": stats_ms([gap for r in ok for gap in r["itl"]]),
+            "e2el_ms": stats_ms([t["e2el"] for t in times])}
+
+
+def good_requests(ok: list[dict], stream: bool, slo: dict[str, float]) -> int | None:
+    """vLLM's goodput count: completed requests within every SLO (ms). None where an SLO bounds a figure that
+    this mode does not measure (TTFT and TPOT need streaming); a stream without text meets no TTFT bound."""
+    if not stream and slo.keys() - {"e2el"}:
+        return None
+    return sum(all(t[name] is not None and 1e3 * t[name] <= ms for name, ms in slo.items())
+               for t in map(request_times, ok))
+
+
+def summarize(results: list[dict], stream: bool, slo: dict[str, float]) -> dict:
+    """vLLM's figures: the duration runs from the first request sent to the last response read; the
+    throughputs count completed requests and their tokens (the server's usage) over it; goodput counts the
+    completed requests that meet every --goodput SLO."""
     ok = [r for r in results if r["error"] is None]
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
-    tokens = sum(r["completion_tokens"] for r in ok)
-    streamed = [r for r in ok if r["ttft"] is not None]
+    n_in, n_out = sum(r["prompt_tokens"] for r in ok), sum(r["completion_tokens"] for r in ok)
+    good = good_requests(ok, stream, slo) if slo else None
     return {
-        "requests": len(results), "errors": len(results) - len(ok),
+        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
         "error_examples": sorted({r["error"] for r in results if r["error"]})[:3],
-        "duration_s": seconds, "request_throughput": len(ok) / seconds,
-        "output_tokens": tokens, "output_throughput": tokens / seconds,
-        "prompt_tokens_mean": float(np.mean([r["prompt_tokens"] for r in ok])) if ok else None,
+        "duration_s": seconds, "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "request_throughput": len(ok) / seconds, "request_goodput": None if good is None else good / seconds,
+        "input_throughput": n_in / seconds, "output_throughput": n_out / seconds,
+        "total_token_throughput": (n_in + n_out) / seconds,
+        "prompt_tokens_mean": n_in / len(ok) if ok else None,
         # a response shorter than max_tokens: the server stopped at EOS, ignore_eos was not honoured
         "short_outputs": sum(r["completion_tokens"] < r["max_tokens"] for r in ok),
-        "latency_ms": stats_ms([r["end"] - r["start"] for r in ok]),
-        "ttft_ms": stats_ms([r["ttft"] for r in streamed]),
-        "tpot_ms": stats_ms([(r["end"] - r["start"] - r["ttft"]) / (r["completion_tokens"] - 1)
-                             for r in streamed if r["completion_tokens"] > 1]),
-        "itl_ms": stats_ms([gap for r in streamed for gap in r["itl"]]),
-    }
+    } | latency_stats(ok)
+
+
+def spread(values: list[float | None]) -> dict | None:
+    if None in values:
+        return None
+    return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
+
+
+def over_rounds(rows: list[dict], results: list[dict]) -> dict:
+    """One mode over every round: each rate's median, min and max over the rounds, the counts summed, and the
+    latency figures of all the rounds' requests together (the rounds run the same workload)."""
+    return {"rounds": len(rows), "completed": sum(row["completed"] for row in rows),
+            "failed": sum(row["failed"] for row in rows)} | {
+        rate: spread([row[rate] for row in rows]) for rate in RATES} | latency_stats(
+        [r for r in results if r["error"] is None])
 
 
 def print_table(title: str, rows: dict[str, dict], before: dict, after: dict) -> None:
     """The HTTP rows and the offline runs before and after them; '/ offline' divides by those two's mean."""
     offline = (before["output_throughput"] + after["output_throughput"]) / 2
-    print(f"\n{title}\n{'':14} {'requests':>8} {'errors':>6} {'seconds':>8} {'req/s':>8} {'out tok/s':>10} "
-          f"{'/ offline':>9}")
+    print(f"\n{title}\n{'':14} {'done':>6} {'failed':>6} {'seconds':>8} {'req/s':>8} {'good/s':>8} {'in tok/s':>10} "
+          f"{'out tok/s':>10} {'tot tok/s':>10} {'/ offline':>9}")
     for name, row in {**rows, "offline before": before, "offline after": after}.items():
-        print(f"{name:14} {row['requests']:>8} {row.get('errors', '-'):>6} {row['duration_s']:>8.2f} "
-              f"{row['request_throughput']:>8.2f} {row['output_throughput']:>10,.1f} "
-              f"{row['output_throughput'] / offline:>9.3f}")
-    print(f"{'ms':20} {'mean':>9} {'median':>9} {'p99':>9}")
+        good = row.get("request_goodput")
+        print(f"{name:14} {row['completed']:>6} {row.get('failed', '-'):>6} {row['duration_s']:>8.2f} "
+              f"{row['request_throughput']:>8.2f} {'-' if good is None else f'{good:.2f}':>8} "
+              f"{row['input_throughput']:>10,.1f} {row['output_throughput']:>10,.1f} "
+              f"{row['total_token_throughput']:>10,.1f} {row['output_throughput'] / offline:>9.3f}")
     for mode, row in rows.items():
-        for metric in ("ttft", "tpot", "itl", "latency"):
-            if row[f"{metric}_ms"]:
-                s = row[f"{metric}_ms"]
-                print(f"{mode + ' ' + metric.upper():20} {s['mean']:>9.1f} {s['median']:>9.1f} {s['p99']:>9.1f}")
+        print_latencies(mode, row)
 
 
-def host() -> dict:
-    """The machine the clients run on (and the engine too, on the CPU)."""
+def print_latencies(mode: str, row: dict) -> None:
+    print(f"{'ms':16} {'mean':>9} {'median':>9} {'std':>9}" + "".join(f" {f'p{p}':>9}" for p in PERCENTILES))
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        if row[f"{metric}_ms"]:
+            s = row[f"{metric}_ms"]
+            print(f"{mode + ' ' + metric.upper():16}" + "".join(f" {s[k]:>9.1f}" for k in ("mean", "median", "std")) +
+                  "".join(f" {s[f'p{p}']:>9.1f}" for p in PERCENTILES))
+
+
+def print_over_rounds(mode: str, summary: dict) -> None:
+    print(f"\n{mode}, over {summary['rounds']} rounds: {summary['completed']} completed, {summary['failed']} failed; "
+          "median [min, max] of the rounds")
+    for rate in RATES:
+        if summary[rate]:
+            s = summary[rate]
+            print(f"  {rate:24} {s['median']:>10,.2f} [{s['min']:,.2f}, {s['max']:,.2f}]")
+    print_latencies(mode, summary)
+
+
+def host(client: str) -> dict:
+    """The machine the clients run on (and the engine too, on the CPU), and the client library's version."""
     cpuinfo = Path("/proc/cpuinfo").read_text()
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "?")
-    return {"cpu": model,
-            "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-            "httpx": httpx.__version__, "thread_env": {v: os.environ.get(v) for v in THREAD_VARS}}
+    library = {"httpx": httpx.__version__}
+    if client == "openai":
+        import openai
+        library = {"openai": openai.__version__}
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+            **library, "thread_env": {v: os.environ.get(v) for v in THREAD_VARS}}
 
 
 # ---- the run ----
@@ -473,6 +646,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--endpoint", choices=list(ROUTES), default="completions")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, help="one mode only (default: both)")
     p.add_argument("--client-processes", type=int, default=8)
+    p.add_argument("--client", choices=["http", "openai"], default="http",
+                   help="http: raw requests through httpx; openai: the official client as a user's script uses it "
+                        "(AsyncOpenAI, max_retries=0, a new one per burst and process, never closed)")
+    p.add_argument("--goodput", nargs="+", metavar="NAME:MS", type=slo_pair,
+                   help=f"SLOs for goodput, as vLLM's: completed requests/s within every bound, NAME in "
+                        f"{', '.join(SLO_NAMES)} (e.g. ttft:500 tpot:50)")
     p.add_argument("--num-blocks", type=int,
                    help="KV cache blocks, server and offline (default: a full batch of the longest sequences)")
     p.add_argument("--rounds", type=int, default=3, help="server and offline runs interleaved; the median ratio")
@@ -483,9 +662,25 @@ def parse_args() -> argparse.Namespace:
                    help="the server's API-server processes (default: the server's own default)")
     p.add_argument("--out", help="the result file (default: bench/results/serving-<model>-<device>-<time>.json)")
     args = p.parse_args()
+    args.goodput = dict(args.goodput or [])
+    if args.client == "openai" and importlib.util.find_spec("openai") is None:
+        p.error("--client openai needs the openai package: pip install openai")
     if args.concurrency is None:
         args.concurrency = args.num_requests if args.request_rate else 128   # a rate alone: no cap, as vLLM
     return args
+
+
+def slo_pair(text: str) -> tuple[str, float]:
+    """NAME:MS, as vLLM's --goodput takes it."""
+    name, _, ms = text.partition(":")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = -1.0
+    if name not in SLO_NAMES or not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:MS with NAME in {', '.join(SLO_NAMES)} and MS a "
+                                         f"number >= 0, e.g. ttft:500")
+    return name, value
 
 
 def pool_blocks_for(max_model_len: int, max_num_seqs: int) -> int:
@@ -498,6 +693,26 @@ def pool_blocks_for(max_model_len: int, max_num_seqs: int) -> int:
 def median_round(rounds: list[dict], ratios: list[float]) -> dict:
     """The round whose ratio is the median one (the lower of the two middle ones for an even count)."""
     return rounds[sorted(range(len(ratios)), key=ratios.__getitem__)[(len(ratios) - 1) // 2]]
+
+
+def report(args, rounds: list[dict], per_round: dict[str, list[float]], ratios: dict[str, float],
+           summary: dict[str, dict], ignore_eos: bool) -> None:
+    """The median round's tables per mode, the figures over the rounds, the ratio per round and its median."""
+    modes = list(per_round)
+    for mode in modes:
+        middle = median_round(rounds, per_round[mode])
+        print_table(f"{mode}, median round", {mode: middle[mode]}, middle["offline_before"], middle["offline"])
+    if args.rounds > 1:
+        for mode in modes:
+            print_over_rounds(mode, summary[mode])
+    print(f"\nHTTP / offline output tok/s, per round: "
+          f"{'; '.join(f'{m} ' + ' '.join(f'{x:.3f}' for x in r) for m, r in per_round.items())}")
+    print(f"median of {args.rounds}: {', '.join(f'{m} {r:.3f}' for m, r in ratios.items())} (target >= {TARGET})")
+    if args.goodput and any(summary[m]["request_goodput"] is None for m in modes):
+        print("note: goodput is not measured without streaming for a TTFT or TPOT bound (no chunk marks the first "
+              "token)")
+    if not ignore_eos or any(row[m]["short_outputs"] for row in rounds for m in modes):
+        print("note: the server did not honour ignore_eos; output tok/s counts the tokens it did generate")
 
 
 def main() -> None:
@@ -530,17 +745,21 @@ def main() -> None:
     warmup = warmup_prompts(tokenizer, allowed, args, min(max_num_seqs, args.concurrency, args.num_requests),
                             max_model_len, rng)
 
-    rounds = []
-    with running_server(args, device, max_model_len, max_num_seqs, num_blocks) as (url, server_command, group):
+    rounds, samples = [], {mode: [] for mode in modes}
+    with running_server(args, device, max_model_len, max_num_seqs, num_blocks) as (url, server_command, group), \
+            client_pool(ClientSpec(args.client, url, ROUTES[args.endpoint]), args.client_processes) as pool:
         model = served_model(url)
-        ignore_eos = warm_up_server(url, args, warmup, model)
+        ignore_eos = warm_up_server(pool, args, warmup, model)
         llm = offline_engine(args, device, max_model_len, max_num_seqs, num_blocks)   # beside the idle server
         generate(llm, warmup)
         arrivals = np.random.default_rng([args.seed, 1])   # seeded, apart from the prompts
         before = run_offline(llm, opening)
         for r, workload in enumerate(workloads):   # interleaved: a drift of the machine hits both sides alike
             print(f"round {r + 1} of {args.rounds}")
-            rows = {mode: run_mode(args, url, model, mode, workload[mode], ignore_eos, arrivals, group) for mode in modes}
+            rows = {}
+            for mode in modes:
+                rows[mode], results = run_mode(args, pool, model, mode, workload[mode], ignore_eos, arrivals, group)
+                samples[mode] += results
             rounds.append(rows | {"offline_before": before, "offline": run_offline(llm, workload["offline"])})
             before = rounds[-1]["offline"]
     # each round's HTTP runs against the mean of the offline runs just before and after them: a steady drift cancels
@@ -548,16 +767,11 @@ def main() -> None:
                         (row["offline_before"]["output_throughput"] + row["offline"]["output_throughput"])
                         for row in rounds] for mode in modes}
     ratios = {mode: float(np.median(r)) for mode, r in per_round.items()}
-    for mode in modes:
-        middle = median_round(rounds, per_round[mode])
-        print_table(f"{mode}, median round", {mode: middle[mode]}, middle["offline_before"], middle["offline"])
-    print(f"\nHTTP / offline output tok/s, per round: "
-          f"{'; '.join(f'{m} ' + ' '.join(f'{x:.3f}' for x in r) for m, r in per_round.items())}")
-    print(f"median of {args.rounds}: {', '.join(f'{m} {r:.3f}' for m, r in ratios.items())} (target >= {TARGET})")
-    if not ignore_eos or any(row[m]["short_outputs"] for row in rounds for m in modes):
-        print("note: the server did not honour ignore_eos; output tok/s counts the tokens it did generate")
+    summary = {mode: over_rounds([row[mode] for row in rounds], samples[mode]) for mode in modes}
+    report(args, rounds, per_round, ratios, summary, ignore_eos)
 
-    machine = {"host": host() | {"load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()}}
+    machine = {"host": host(args.client) | {"load_average_at_start": load_at_start,
+                                            "load_average_at_end": os.getloadavg()}}
     if device == "cuda":
         machine |= gpu_machine()
     result = {"benchmark": "serving", "machine": machine, "model": args.model, "device": device,
@@ -568,8 +782,9 @@ def main() -> None:
                            "client_processes": args.client_processes, "max_num_seqs": max_num_seqs,
                            "max_model_len": max_model_len, "num_blocks": num_blocks, "seed": args.seed,
                            "temperature": 0, "ignore_eos_sent": ignore_eos, "warmup_requests": len(warmup.ids),
-                           "rounds": args.rounds, "api_server_count": args.api_server_count or "server default"},
-              "rounds": rounds, "http_over_offline_per_round": per_round,
+                           "rounds": args.rounds, "api_server_count": args.api_server_count or "server default",
+                           "client": args.client, "goodput_slo_ms": args.goodput},
+              "rounds": rounds, "over_rounds": summary, "http_over_offline_per_round": per_round,
               "http_over_offline": ratios, "target_http_over_offline": TARGET}
     name = args.model if args.model == "default" else Path(args.model).name
     write_result(f"serving-{name}-{device}", result, args.out)

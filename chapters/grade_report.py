@@ -3,6 +3,7 @@
     python -m chapters.grade_report                      # every chapter, your exercises.py
     python -m chapters.grade_report --chapters 1 6       # some chapters
     python -m chapters.grade_report --impl reference     # the engine's functions (full marks expected)
+    TINYVLLM_TEST_SEED=1234 python -m chapters.grade_report   # the random inputs of an earlier run again
 
 Points follow ideas, not test counts: each exercise has a weight (POINTS below) and earns
 weight x (its grader cases passed / its grader cases), so an exercise checked on 31 parametrized cases
@@ -10,12 +11,16 @@ weighs no more than one checked on 3. A test's exercise is the one whose name ap
 (`test_rms_norm_...` grades rms_norm); a test naming several exercises, or none, grades the chapter's
 exercises together (the TOGETHER row). A grader skipped because the machine has no GPU shows as
 "needs GPU" and earns nothing: it is never counted as passed.
+
+The graders draw random inputs from one seed per run (tests/seeding.py): the report prints it, and the
+command it gives for a failing chapter reruns with it, so the rerun draws the same inputs.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -28,6 +33,7 @@ from chapters.grading import IMPLS, chapter_numbers, exercises
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = tuple(chapter_numbers())
 TOGETHER = "all together"  # the row of tests that exercise several of a chapter's functions at once
+SEED_ENV = "TINYVLLM_TEST_SEED"  # tests/seeding.py's base seed: every grader's inputs follow from it
 
 # What each exercise is worth: the size of the idea, not the number of its grader cases. The CUDA C
 # exercises (3.2, 5.2, 8.5) are graded on a GPU only. INSTRUCTORS.md lists the same table; tests/test_course.py
@@ -155,14 +161,16 @@ def score(junit_xml: Path) -> list[Row]:
     return sorted(rows.values(), key=lambda r: (r.chapter, r.exercise == TOGETHER, r.exercise))
 
 
-def grader_command(chapter: int, impl: str = "student") -> str:
-    """The command that runs one chapter's graders alone and stops at the first failure, with its traceback."""
+def grader_command(chapter: int, impl: str = "student", seed: str | None = None) -> str:
+    """The command that runs one chapter's graders alone and stops at the first failure, with its traceback;
+    with the run's seed, on the same inputs."""
     python = Path(sys.executable)
     shown = os.path.relpath(python, ROOT) if python.is_relative_to(ROOT) else str(python)  # .venv/bin/python
-    return f"{shown} -m pytest tests/test_ch{chapter:02d}_exercises.py --impl={impl} -x"
+    pinned = f"{SEED_ENV}={seed} " if seed is not None else ""
+    return f"{pinned}{shown} -m pytest tests/test_ch{chapter:02d}_exercises.py --impl={impl} -x"
 
 
-def table(rows: list[Row], impl: str = "student") -> str:
+def table(rows: list[Row], impl: str = "student", seed: str | None = None) -> str:
     lines = [f"{'chapter':<8} {'exercise':<34} {'result':<10} {'cases':>7}  {'points':>10}", "-" * 74]
     for r in rows:
         lines.append(f"{r.chapter:<8} {r.exercise:<34} {r.result:<10} {r.passed:>3}/{r.cases:<3}  "
@@ -177,18 +185,26 @@ def table(rows: list[Row], impl: str = "student") -> str:
     if failing:
         lines += ["", "first failure of each exercise; for its traceback, run that chapter's graders alone:"]
         for chapter in sorted({r.chapter for r in failing}):
-            lines.append(f"  {grader_command(chapter, impl)}")
+            lines.append(f"  {grader_command(chapter, impl, seed)}")
             lines += [f"    {r.exercise}: {r.first_failure}" for r in failing if r.chapter == chapter]
+        # make adds "make: *** [grade] Error 1" after this line: it must not read as a broken build
+        lines += ["", "not all points: the exit status is 1 (make reports it as \"Error 1\"); nothing is broken"]
     return "\n".join(line.rstrip() for line in lines)
 
 
-def run_graders(chapters: list[int], impl: str, junit_xml: Path) -> int:
-    """pytest over the chapters' grader files; its own output is kept short (the table says the rest)."""
+def run_seed() -> str:
+    """The base seed of this run: $TINYVLLM_TEST_SEED if set (to repeat a run), else a fresh one."""
+    return os.environ.get(SEED_ENV, "").strip() or str(secrets.randbits(32))
+
+
+def run_graders(chapters: list[int], impl: str, junit_xml: Path, seed: str) -> int:
+    """pytest over the chapters' grader files, drawing their inputs from `seed`; its own output is kept short
+    (the table says the rest)."""
     files = [str(p.relative_to(ROOT)) for n in chapters for p in ROOT.glob(f"tests/test_ch{n:02d}_exercises.py")]
     marks = " or ".join(f"ch{n}" for n in chapters)
     cmd = [sys.executable, "-m", "pytest", "-q", "--no-header", "-p", "no:cacheprovider", "--tb=no", "-rN",
            f"--impl={impl}", "-m", marks, f"--junitxml={junit_xml}", *files]
-    return subprocess.run(cmd, cwd=ROOT).returncode
+    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, SEED_ENV: seed}).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,13 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impl", choices=IMPLS, default="student")
     parser.add_argument("--junit", type=Path, default=ROOT / "grades.xml", help="where to write the JUnit XML")
     args = parser.parse_args(argv)
-    code = run_graders(args.chapters, args.impl, args.junit)
+    seed = run_seed()
+    code = run_graders(args.chapters, args.impl, args.junit, seed)
     if not args.junit.exists():
         print(f"error: pytest wrote no {args.junit} (exit code {code})", file=sys.stderr)
         return 2
     rows = score(args.junit)
-    print(f"\ngrades ({args.impl} implementation), JUnit XML in {args.junit}:\n")
-    print(table(rows, args.impl))
+    print(f"\ngrades ({args.impl} implementation), random seed {seed} ({SEED_ENV}={seed} repeats this run), "
+          f"JUnit XML in {args.junit}:\n")
+    print(table(rows, args.impl, seed))
     return 0 if rows and all(r.failed == 0 for r in rows) else 1
 
 

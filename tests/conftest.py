@@ -2,8 +2,11 @@
 random generators (tests/seeding.py: the seed is printed in the header and with every failure)."""
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from threadpoolctl import threadpool_limits
 
 from chapters.grading import IMPLS, implementation
 from tests import seeding
+from tinyvllm.errors import TinyVLLMError
 
 # The tiny random-weight checkpoint several test files share: SmolLM2's (or Llama 3.2's) names, vocabulary
 # and tokenizer, shrunk to 2 layers of width 64 with GQA 2:1, so that a model runs in milliseconds.
@@ -75,13 +79,49 @@ def rng(seed) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+def describe(value) -> str:
+    """An argument as a failure line shows it: an array by dtype and shape, a number or string by value, an object
+    by its type."""
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype} array {value.shape}"
+    if isinstance(value, (bool, int, float, str, np.generic)) or value is None:
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    if isinstance(value, (list, tuple)):
+        short = len(value) <= 4  # a rank per element (chapter 9), a few ids: each is worth seeing
+        return "[" + ", ".join(map(describe, value)) + "]" if short else f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+def naming_its_input(name: str, function: Callable) -> Callable:
+    """`function`, but an exception escaping it (a NumPy error, an assert of its own) carries a note naming the call
+    and its arguments: the grader's failure line then says which input broke it. TinyVLLMError (a refusal the
+    graders may expect) and NotImplementedError (an untouched stub) pass unchanged."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except (TinyVLLMError, NotImplementedError):
+            raise
+        except Exception as e:
+            shown = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
+            e.add_note(f"raised inside {name}({', '.join(shown)})")
+            raise
+    return call
+
+
 @pytest.fixture
 def impl(request):
-    """impl("rms_norm") -> the function under test for this chN-marked grader."""
+    """impl("rms_norm") -> the function under test for this chN-marked grader (a class, such as 6.1's
+    BlockManager, as it is)."""
     marks = [m.name for m in request.node.iter_markers() if re.fullmatch(r"ch\d+", m.name)]
     assert marks, "a grader using `impl` must be marked @pytest.mark.chN"
     chapter, which = int(marks[0][2:]), request.config.getoption("--impl")
-    return lambda name: implementation(chapter, name, which)
+
+    def get(name: str):
+        found = implementation(chapter, name, which)
+        return naming_its_input(name, found) if inspect.isfunction(found) else found
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -141,3 +142,84 @@ def test_api_servers_stop_when_their_supervisor_is_killed():
     finally:
         if not group_gone(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def sockets_dirs() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("tinyvllm-")}
+
+
+async def cut_short(url: str, started: asyncio.Event) -> dict:
+    """A request streamed and one not, both far from done when the server is told to stop: what each got."""
+    body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async def streamed() -> list[str]:
+            async with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+                lines = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        started.set()
+                return lines
+        whole = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body))
+        lines = await streamed()
+        response = await whole
+        return {"stream": lines, "status": response.status_code, "body": response.json()}
+
+
+@pytest.mark.parametrize("count", ["1", "2"], ids=["one API server", "two API servers"])
+def test_sigterm_stops_serve_as_ctrl_c_does_and_the_port_serves_again(tiny_model_dir, count):
+    """kill, systemd and docker stop a server with SIGTERM: the requests in flight are answered (a 503 error
+    object; the stream closes with an error event and [DONE]), every process stops, the sockets folder is
+    removed, the process dies by the signal, and a server can listen on the same port at once (the
+    connections in TIME_WAIT do not hold it)."""
+    before = sockets_dirs()
+    proc, url = start_serve(str(tiny_model_dir), "--max-model-len", "2048", "--api-server-count", count)
+    idle = httpx.Client()   # a client's pooled keep-alive connection: the server closes it, so TIME_WAIT is its
+    try:
+        idle.get(f"{url}/health")
+        async def scenario() -> dict:
+            started = asyncio.Event()
+            answers = asyncio.ensure_future(cut_short(url, started))
+            await asyncio.wait_for(started.wait(), 60)
+            os.kill(proc.pid, signal.SIGTERM)
+            return await asyncio.wait_for(answers, 30)
+        got = asyncio.run(scenario())
+        assert got["status"] == 503 and got["body"]["error"]["code"] == "shutting_down", got["body"]
+        assert got["stream"][-1] == "[DONE]" and "shutting down" in json.loads(got["stream"][-2])["error"]["message"]
+        assert proc.wait(30) == -signal.SIGTERM, "serve must die by the signal, after cleaning up"
+        assert wait_for(lambda: group_gone(proc.pid), 15), "every process of the group must stop"
+        assert wait_for(lambda: sockets_dirs() <= before, 5), "the engine's sockets folder must be removed"
+        other = "2" if count == "1" else "1"   # restarted with the other count: either may follow either
+        again, url_again = start_serve(str(tiny_model_dir), "--port", url.rsplit(":", 1)[1], "--api-server-count", other)
+        try:
+            assert url_again == url and httpx.get(f"{url}/health").status_code == 200
+        finally:
+            os.killpg(again.pid, signal.SIGKILL)
+    finally:
+        idle.close()
+        if not group_gone(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_health_notices_an_engine_that_stops_reporting(tiny_model_dir):
+    """An engine process that is stopped (SIGSTOP) or stuck sends no step report and no heartbeat: /health turns
+    503 once it has been silent past the limit (2 s here), and 200 again when it resumes."""
+    from tinyvllm.engine.engine_config import EngineConfig
+    from tinyvllm.entrypoints.server import Server
+    server = Server(EngineConfig(str(tiny_model_dir), "cpu", max_model_len=256, num_blocks=64), port=0,
+                    log_level="warning", ui=False).start()
+    try:
+        server.engine.silence_limit_s = 2
+        engine_pid = server.engine.client.process.pid
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        time.sleep(3)
+        assert httpx.get(f"{server.url}/health").status_code == 200, "an idle engine's heartbeats keep it healthy"
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, 10)
+            assert "not reported" in httpx.get(f"{server.url}/health").json()["reason"]
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+        assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, 10)
+    finally:
+        server.stop()

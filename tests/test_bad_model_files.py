@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,11 @@ from typing import Callable
 import pytest
 
 from tinyvllm.entrypoints.cli import main
+from tinyvllm.entrypoints.llm import LLM
 from tinyvllm.formats.checkpoints import llama3_tokenizer_dir
-from tinyvllm.formats.config import config_from_dict
+from tinyvllm.formats.config import config_from_dict, load_config
+from tinyvllm.formats.tokenizer import load_tokenizer
+from tinyvllm.model.kv_pool import bytes_per_block
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -75,6 +79,17 @@ def tiktoken_line(line: bytes) -> Damage:
     return damage
 
 
+def special_id(name: str, new_id: int) -> Damage:
+    """tokenizer.json with the added token `name` moved to `new_id`."""
+    return nested(lambda d: next(t for t in d["added_tokens"] if t["content"] == name).update(id=new_id))
+
+
+def deep_safetensors_header(valid: Path) -> bytes:
+    """A safetensors file whose header, of the right length, is a list 100,000 levels deep."""
+    header = b"[" * 100_000 + b"]" * 100_000
+    return struct.pack("<Q", len(header)) + header
+
+
 def case(name: str, damage: Damage, *words: str, id: str):
     return pytest.param(name, damage, words, id=id)
 
@@ -116,11 +131,21 @@ CASES = [
          "original_max_position_embeddings", id="llama3-original-context-float"),
     case(CONFIG, fields(rope_scaling={**LLAMA3_ROPE, "high_freq_factor": 1.0}), "high_freq_factor",
          id="llama3-equal-freq-factors"),
+    case(CONFIG, raw(b"[" * 100_000 + b"]" * 100_000), CONFIG, "nested too deeply", id="config-100000-deep"),
+    case(CONFIG, fields(hidden_size=2**40), "model.safetensors", "config.json implies", id="hidden-absurd"),
+    case(CONFIG, fields(max_position_embeddings=10**15), "RoPE tables", "PiB", "host memory", "--max-model-len",
+         id="context-absurd"),
+    case(CONFIG, fields(eos_token_id=10**6), CONFIG, "eos_token_id 1000000", "past the vocabulary",
+         id="eos-past-vocab"),
+    case(CONFIG, fields(bos_token_id=128256), CONFIG, "bos_token_id 128256", "past the vocabulary",
+         id="bos-past-vocab"),
     case(GEN, raw(b"[]"), GEN, "object", id="generation-config-top-level-list"),
     case(GEN, raw(b"{"), GEN, "not valid JSON", id="generation-config-not-json"),
     case(GEN, fields(eos_token_id="two"), GEN, "eos_token_id", "'two'", id="generation-eos-string"),
     case(GEN, fields(eos_token_id=[128001, None]), GEN, "eos_token_id", id="generation-eos-list-with-null"),
     case(GEN, fields(eos_token_id=-1), GEN, "eos_token_id", id="generation-eos-negative"),
+    case(GEN, fields(eos_token_id=[128001, 128256]), GEN, "eos_token_id 128256", "past the vocabulary",
+         id="generation-eos-past-vocab"),
     case(TOK, raw(b"[1, 2]"), TOK, "object", id="tokenizer-top-level-list"),
     case(TOK, raw(b""), TOK, "empty", id="tokenizer-empty"),
     case(TOK, nested(lambda d: d.pop("model")), TOK, "model", id="tokenizer-no-model"),
@@ -138,12 +163,24 @@ CASES = [
          id="pre-tokenizer-string"),
     case(TOK, nested(lambda d: d["pre_tokenizer"]["pretokenizers"][0].update(pattern="x")), TOK,
          "pre_tokenizer", id="pre-tokenizer-pattern-string"),
+    case(TOK, special_id("<|eot_id|>", 10**6), TOK, "'<|eot_id|>'", "1000000", "past the model's vocabulary",
+         id="template-special-token-past-vocab"),
+    case(TOK, special_id("<|begin_of_text|>", 200_000), TOK, "'<|begin_of_text|>'", "past the model's vocabulary",
+         id="bos-special-token-past-vocab"),
+    case(TOK, special_id("<|image|>", 2**32), TOK, "added_tokens", "2**32", id="special-token-id-past-32-bits"),
+    case(TOK, nested(lambda d: d["model"].update(merges="Ġ t")), TOK, "model.merges", id="merges-string"),
+    case(TOK, nested(lambda d: d["model"]["merges"].insert(5, "garbage")), TOK, "model.merges[5]", "'garbage'",
+         id="merge-garbage"),
+    case(TOK, nested(lambda d: d["model"]["merges"].append("Ġ qqqqqqqq")), TOK, "model.merges[280147]",
+         "'qqqqqqqq'", "not in model.vocab", id="merge-of-unknown-token"),
     case(TOK_CONFIG, raw(b"[]"), TOK_CONFIG, "object", id="tokenizer-config-top-level-list"),
     case(TOK_CONFIG, fields(bos_token=["<s>"]), TOK_CONFIG, "bos_token", id="bos-token-list"),
     case(TOK_CONFIG, fields(chat_template=5), TOK_CONFIG, "chat_template", id="chat-template-number"),
     case(TOK_CONFIG, fields(chat_template=[{"name": "default"}]), TOK_CONFIG, "chat_template",
          id="named-chat-template-without-text"),
     case(TOK_CONFIG, fields(chat_template="{% if %}"), "chat template", id="chat-template-syntax-error"),
+    case(TOK_CONFIG, fields(chat_template="{% for i in range(10**9) %}x{% endfor %}"), "chat template failed",
+         "OverflowError", "MAX_RANGE", id="chat-template-range-past-the-sandbox"),
     case("chat_template.jinja", raw(b"\xff{{ bos_token }}"), "chat_template.jinja", "UTF-8",
          id="chat-template-file-not-utf8"),
     case("tokenizer.model", tiktoken_line(b"IQ=="), "tokenizer.model", "line 1000", id="tiktoken-line-no-rank"),
@@ -153,6 +190,8 @@ CASES = [
          id="tiktoken-line-negative-rank"),
     case("tokenizer.model", tiktoken_line(b"IQ== 5"), "tokenizer.model", "line 1000",
          id="tiktoken-line-duplicate-rank"),
+    case("model.safetensors", deep_safetensors_header, "model.safetensors", "nested too deeply",
+         id="safetensors-header-100000-deep"),
 ]
 
 
@@ -178,6 +217,23 @@ def generate(model: Path, capsys) -> tuple[int, list[str]]:
 def test_malformed_file_is_one_line_and_exit_2(base, tmp_path, capsys, name, damage, words):
     model = model_with(base, tmp_path / "model", name, damage(original(base, name)))
     assert_one_line(*generate(model, capsys), *words, folder=model)
+
+
+@pytest.mark.parametrize("name", [GEN, TOK_CONFIG, "chat_template.jinja"])
+def test_a_directory_in_place_of_a_model_file(base, tmp_path, capsys, name):
+    """An optional file that is a directory is reported, not skipped: its settings would be silently lost."""
+    model = model_with(base, tmp_path / "model", name, b"")
+    (model / name).unlink()
+    (model / name).mkdir()
+    assert_one_line(*generate(model, capsys), name, "is a directory", folder=model)
+
+
+def test_a_special_token_no_prompt_uses_may_lie_past_the_vocabulary(base):
+    """Llama 3.2's tokenizer.json lists the vision model's <|image|> at 128256, one past the text model's
+    vocabulary: refusing it on loading would refuse Meta's own files. Only a token a prompt uses is checked."""
+    tokenizer = load_tokenizer(base)
+    assert tokenizer.special_tokens["<|image|>"] == load_config(base).vocab_size
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_the_undamaged_copy_runs(base, tmp_path, capsys):
@@ -239,3 +295,36 @@ OLD_ROPE = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}  # older c
 def test_valid_configs_still_load(extra, expected):
     cfg = config_from_dict({**VALID, **extra})
     assert {k: getattr(cfg, k) for k in expected} == expected
+
+
+# ---------------------------------------------------------------- sizes the machine cannot hold
+
+@pytest.mark.parametrize("flags, words", [
+    (["--num-blocks", str(10**12)], ["KV cache pool of 1000000000000 blocks", "PiB", "host memory", "--num-blocks"]),
+    (["--max-num-batched-tokens", str(10**12)], ["step buffers", "PiB", "host memory", "--max-num-batched-tokens"]),
+])
+def test_a_size_past_the_memory_is_refused_before_allocating(base, capsys, flags, words):
+    assert_one_line(*run_cli(capsys, "generate", "hi", "--device", "cpu", "--model", str(base), *flags), *words)
+
+
+def test_a_model_larger_than_the_memory_names_both_numbers(base, capsys, monkeypatch):
+    monkeypatch.setattr("tinyvllm.model.kv_pool.host_memory_available", lambda: 2**20)
+    code, lines = generate(base, capsys)
+    assert_one_line(code, lines, "the model (weights", "needs", "but only 1.0 MiB of host memory is available",
+                    "smaller model")
+
+
+def test_the_flag_the_message_names_fixes_it(base, tmp_path, capsys):
+    model = model_with(base, tmp_path / "model", CONFIG, fields(max_position_embeddings=10**15)(base / CONFIG))
+    code, lines = run_cli(capsys, "generate", "hi", "--max-tokens", "1", "--device", "cpu", "--model", str(model),
+                          "--max-model-len", "64")
+    assert code == 0 and "finish: length" in lines[-1], lines
+
+
+def test_the_default_cpu_pool_fits_in_the_memory_left(base, monkeypatch):
+    """The CPU pool's fixed size is lowered to what the host can still give, rather than refused."""
+    available = 200 * 2**20
+    monkeypatch.setattr("tinyvllm.model.kv_pool.host_memory_available", lambda: available)
+    with LLM(str(base), device="cpu") as llm:
+        pool = llm.engine.pool
+        assert 0 < (pool.num_blocks + 1) * bytes_per_block(llm.model_config, 4) <= available

@@ -48,6 +48,17 @@ def test_rms_norm_works_over_the_last_axis_of_any_rank(impl, rng):
     check(impl("rms_norm")(x, w, 1e-5), ref, x.shape, what="rms_norm of a (3, 5, 24) array (over its last axis)")
 
 
+@pytest.mark.ch1
+def test_rms_norm_leaves_its_input_unchanged(impl, rng):
+    """The model adds each layer's output to the residual stream x after normalizing it: x must still be x."""
+    x, w = randn(rng, 5, 40, scale=3.0), randn(rng, 40)
+    kept = x.copy(), w.copy()
+    out = impl("rms_norm")(x, w, 1e-5)
+    assert np.array_equal(x, kept[0]), "rms_norm changed x, its input: compute the result in a new array"
+    assert np.array_equal(w, kept[1]), "rms_norm changed weight, its input: compute the result in a new array"
+    assert not np.shares_memory(out, x), "rms_norm returned x itself: return a new array (x is still needed)"
+
+
 # ---------- Exercise 1.2: RoPE frequencies vs transformers' LlamaRotaryEmbedding ----------
 
 def hf_inv_freq(cfg) -> np.ndarray:

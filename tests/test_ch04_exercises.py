@@ -151,6 +151,19 @@ def test_gemm_params_into_slice_of_the_whole_buffer(impl, rng):
     assert_close(C.reshape(T, N), x, w, p)
 
 
+def test_gemm_params_into_slice_answers_are_independent(impl):
+    """Each call returns its own dict, which a later call must not rewrite: a caller may hold an answer while
+    it asks for the next (the fused QKV's three slices). Deriving the answer from gemm_params is fine;
+    changing the very dict gemm_params returned is not, if gemm_params hands out that dict again."""
+    into_slice, T, N, K = impl("gemm_params_into_slice"), 7, 13, 11
+    first = into_slice(T, N, K, 40)
+    kept = dict(first)
+    second = into_slice(T, N, K, 64)
+    assert first is not second, "two calls returned the same dict: return a new one each time"
+    assert first == kept, (f"gemm_params_into_slice({T}, {N}, {K}, 64) changed the answer of the call before it, "
+                           f"gemm_params_into_slice({T}, {N}, {K}, 40): it was {kept}, it is now {first}")
+
+
 # ---- Exercise 4.3: colmajor_index ---------------------------------------------------------
 
 @pytest.mark.parametrize("trial", range(6))

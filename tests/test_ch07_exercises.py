@@ -1,8 +1,9 @@
 """Chapter 7 graders: the scheduler's admission under a token budget (Exercise 7.1) and its choice of whom to preempt (7.2), on the CPU.
 
-Most graders drive the functions with a fake block manager whose answers the grader sets (how many blocks a
-prompt takes, how many of its tokens are cached, which running sequence needs a new block) and sequences
-without a model, so every expected outcome is worked out by hand from the rules: FIFO, max_num_seqs, the
+Most graders drive the functions with a fake block manager whose state the grader sets (how many of a
+prompt's tokens are cached and whether a running sequence holds them, which running sequence needs a new
+block; a test checks that it answers as the engine's block managers would) and sequences without a model,
+so every expected outcome is worked out by hand from the rules: FIFO, max_num_seqs, the
 token budget left after the decodes (a prompt that does not fit it is split into chunks; cached tokens cost
 nothing), the blocks left in the step (`free`), the youngest is the victim and goes back to the front
 of the queue. The last grader plugs the implementation into the real engine on a tiny random model with a
@@ -18,38 +19,52 @@ import pytest
 
 from tests.numeric import same
 from tinyvllm.engine import scheduler as scheduler_module
-from tinyvllm.engine.block_manager import blocks_for
+from tinyvllm.engine.block_manager import BlockManager, blocks_for
+from tinyvllm.engine.prefix_cache import PrefixCachingBlockManager
 from tinyvllm.engine.sampling import SamplingParams
 from tinyvllm.engine.scheduler import Scheduler, Step
 from tinyvllm.engine.sequence import Sequence, Status
+from tinyvllm.model.kv_pool import BLOCK_SIZE
 
 
 class FakeBlocks:
-    """Stands in for the block manager: the grader decides every answer, and the calls are recorded.
+    """Stands in for the block manager: the grader sets its state, and the calls are recorded.
 
-    A sequence's token ids all equal its id, so blocks_to_admit can tell whose tokens it is given."""
+    A sequence's token ids all equal its id, so the fake knows whose tokens it is given. On every input the
+    engine's block managers accept, it answers as they would in the state it stands for (a test below checks
+    it against BlockManager and PrefixCachingBlockManager): a sequence's cached prefix is `cached[id]` tokens
+    in full blocks, shared only while the tokens asked about go on past them (a full hit leaves its last
+    block to compute); cached blocks nobody uses (`unused`) count as free, so sharing them takes them."""
 
-    def __init__(self, num_free: int, need=None, cached=None, append=None, held=None, extend=None):
+    def __init__(self, num_free: int, cached=None, unused=(), append=None, held=None, extend=None):
         self.num_free = num_free             # what the pool reports; NOT what is left in this step
-        self.need = need or {}               # seq id -> blocks_to_admit (default: ceil(len / 16) of what it is given)
-        self.cached = cached or {}           # seq id -> tokens cached_tokens() and admit() report as cached
+        self.cached = cached or {}           # seq id -> tokens of its prefix in the pool (a multiple of 16)
+        self.unused = set(unused)            # seq ids whose cached blocks no running sequence holds
         self.extend = extend or {}           # seq id -> blocks_to_extend (default 0)
         self.append = append or {}           # seq id -> blocks_to_append (default 0)
         self.held = dict(held or {})         # seq id -> blocks it holds, given back by free()
         self.admitted, self.freed = [], []
 
+    def _shared(self, token_ids: list[int]) -> int:
+        """Cached blocks a new sequence starting with these tokens shares."""
+        if not token_ids:
+            return 0
+        return min(self.cached.get(token_ids[0], 0) // BLOCK_SIZE, (len(token_ids) - 1) // BLOCK_SIZE)
+
     def blocks_to_admit(self, token_ids: list[int]) -> int:
-        return self.need.get(token_ids[0], blocks_for(len(token_ids)))
+        shared = self._shared(token_ids)
+        reviving = shared if token_ids and token_ids[0] in self.unused else 0
+        return blocks_for(len(token_ids)) - shared + reviving
 
     def admit(self, seq: int, token_ids: list[int]) -> int:
         self.admitted.append(seq)
-        return self.cached.get(seq, 0)
+        return self._shared(token_ids) * BLOCK_SIZE
 
     def cached_tokens(self, token_ids: list[int]) -> int:
-        return self.cached.get(token_ids[0], 0)
+        return self._shared(token_ids) * BLOCK_SIZE
 
     def blocks_to_extend(self, seq: int, count: int) -> int:
-        return self.extend.get(seq, 0)
+        return self.extend.get(seq, 0) if count else 0
 
     def blocks_to_append(self, seq: int) -> int:
         return self.append.get(seq, 0)
@@ -134,13 +149,21 @@ def test_admit_uses_the_blocks_left_in_this_step_not_the_pool(impl):
 
 @pytest.mark.ch7
 def test_admit_asks_the_block_manager_how_many_blocks_a_prompt_takes(impl):
-    """A prompt whose prefix is cached takes fewer blocks than ceil(len / 16): ask blocks_to_admit."""
-    blocks = FakeBlocks(num_free=3, need={0: 1, 1: 2})
-    sched = make_scheduler(blocks, waiting=[(0, 60), (1, 30), (2, 1)])   # 60 tokens, but 3 of its 4 blocks cached
+    """A 60-token prompt whose first 3 blocks are cached (and held by a running sequence) takes 1 new block,
+    not ceil(60 / 16) = 4. When nobody holds those cached blocks, they count as free, and sharing them
+    takes them: 4 again. Only blocks_to_admit knows."""
+    blocks = FakeBlocks(num_free=3, cached={0: 48})
+    sched = make_scheduler(blocks, waiting=[(0, 60), (1, 30), (2, 1)])
     step = Step()
     impl("admit")(sched, step, 3, 1000)
     assert ids(step.prefills) == [0, 1], "seq 0 takes 1 block (blocks_to_admit), seq 1 the other 2"
     same(ids(sched.waiting), [2], "who is still waiting")
+    blocks = FakeBlocks(num_free=3, cached={0: 48}, unused={0})
+    sched = make_scheduler(blocks, waiting=[(0, 60)])
+    step = Step()
+    impl("admit")(sched, step, 3, 1000)
+    same(ids(step.prefills), [], "step.prefills when the prompt's 3 cached blocks are unused: sharing them takes "
+         "them, so it needs 4 blocks (blocks_to_admit says so), and 3 are free")
 
 
 @pytest.mark.ch7
@@ -178,6 +201,20 @@ def test_admit_splits_the_prompt_the_budget_cannot_hold(impl):
     step = Step()
     impl("admit")(sched, step, 100, 100)
     assert step.chunks == [60, 40] and ids(sched.waiting) == [2], "60 + 40 = 100: nothing left for a third"
+
+
+@pytest.mark.ch7
+def test_admit_takes_at_most_the_long_prefill_threshold_of_one_prompt(impl):
+    """Hand-derived: budget 100, at most 30 tokens of one prompt per step. The 70-token prompt starts with
+    30, the 20-token one whole (20 <= 30), the 50-token one with 30; 20 of the budget is left for the
+    4-token one."""
+    blocks = FakeBlocks(num_free=100)
+    sched = make_scheduler(blocks, budget=1000, waiting=[(0, 70), (1, 20), (2, 50), (3, 4)])
+    sched.long_prefill_token_threshold = 30
+    step = Step()
+    impl("admit")(sched, step, 100, 100)
+    same((ids(step.prefills), step.chunks), ([0, 1, 2, 3], [30, 20, 30, 4]),
+         "(step.prefills ids, step.chunks) with scheduler.long_prefill_token_threshold = 30")
 
 
 @pytest.mark.ch7
@@ -235,6 +272,20 @@ def test_admit_a_preempted_sequence_recomputes_all_its_tokens(impl):
 
 
 @pytest.mark.ch7
+def test_admit_a_preempted_sequence_finds_its_output_in_the_cache(impl):
+    """Hand-derived: a preempted sequence of 20 prompt + 30 output tokens whose first 3 blocks (48 tokens,
+    output included) are still cached: it computes the 2 tokens after them, not the 34 after the 16 cached
+    tokens of its prompt alone. Its cached blocks are unused, so it takes all 4 of its blocks."""
+    blocks = FakeBlocks(num_free=100, cached={0: 48}, unused={0})
+    sched = make_scheduler(blocks, waiting=[(0, 20, 30)])
+    step = Step()
+    impl("admit")(sched, step, 4, 100)
+    same((ids(step.prefills), step.chunks), ([0], [2]), "(step.prefills ids, step.chunks): look up the cached "
+         "prefix of all its tokens (seq.token_ids), prompt and output")
+    same((step.prefills[0].num_cached, step.prefills[0].num_computed), (48, 48), "(num_cached, num_computed)")
+
+
+@pytest.mark.ch7
 def test_admit_with_nobody_waiting_does_nothing(impl):
     blocks = FakeBlocks(num_free=10)
     sched = make_scheduler(blocks, running=[(3, 10)])
@@ -280,6 +331,31 @@ def test_choose_victim_is_the_youngest(impl, rng):
 
 
 @pytest.mark.ch7
+def test_choose_victim_goes_by_admission_not_arrival(impl):
+    """Hand-derived: sequences 0..3 arrived in that order; seq 0 was preempted and admitted again, so
+    running reads 1, 2, 3, 0 and the youngest is seq 0, the first to have arrived."""
+    arrived = [make_seq(i, 20, 5) for i in range(4)]
+    for i, seq in enumerate(arrived):
+        seq.arrival_time = float(i)
+    running = arrived[1:] + arrived[:1]
+    running[-1].preemptions = 1
+    victim = impl("choose_victim")(running)
+    same(victim.seq_id, 0, "the victim's id, running ids [1, 2, 3, 0] (seq 0 arrived first but was admitted "
+         "last, after its preemption)")
+
+
+@pytest.mark.ch7
+def test_choose_victim_is_the_youngest_whether_it_decodes_or_not(impl):
+    """Hand-derived: running reads 0 (decoding), 1 (halfway through its prompt), 2 (decoding): the youngest
+    is seq 2, although seq 1 has computed less."""
+    running = [make_seq(0, 40, 3), make_seq(1, 40), make_seq(2, 40, 3)]
+    running[0].num_computed = running[2].num_computed = 42   # decoding: all but the newest token in the pool
+    running[1].num_computed = 16                             # 16 of its 40 prompt tokens so far
+    victim = impl("choose_victim")(running)
+    same(victim.seq_id, 2, "the victim's id, running ids [0, 1, 2] with seq 1 in the middle of its prompt")
+
+
+@pytest.mark.ch7
 def test_choose_victim_in_schedule_preempts_the_youngest_and_requeues_it_first(impl, monkeypatch):
     """Hand-derived: 1 free block, three running sequences each opening a block. Seq 0 takes it; seq 1
     finds none, so the youngest (seq 2, holding 2 blocks) is preempted; seq 1 then decodes. Seq 2 goes
@@ -317,6 +393,42 @@ def test_choose_victim_in_schedule_preempts_youngest_first_until_it_fits(impl, m
     step = sched.decide()
     same((ids(step.decodes), ids(step.preempted)), ([0, 1], [3, 2]), "(decodes, preempted) of the step")
     same((ids(sched.waiting), blocks.freed), ([2, 3, 9], [3, 2]), "(waiting, blocks freed) after the step")
+
+
+# ---------- the fake block manager answers as the real ones ----------
+
+def real_manager(prefix_caching: bool, owner: int, cached: int, in_use: bool) -> BlockManager:
+    """A real block manager holding, when prefix caching, a cached prefix of `cached` tokens all equal to
+    `owner` (as FakeBlocks' sequence `owner` has it), held by a running sequence or left unused."""
+    if not prefix_caching:
+        return BlockManager(32)
+    real, ids = PrefixCachingBlockManager(32), [owner] * cached
+    if cached:
+        real.admit(999, ids)
+        real.extend(999, cached)
+        real.cache_full_blocks(999, ids)
+        if not in_use:
+            real.free(999)
+    return real
+
+
+@pytest.mark.parametrize("prefix_caching, cached, in_use", [(False, 0, False), (True, 0, False), (True, 48, True),
+                                                             (True, 48, False), (True, 16, False)])
+def test_fake_blocks_answers_as_the_real_block_managers(prefix_caching, cached, in_use):
+    """cached_tokens, blocks_to_admit and admit of every prefix of a sequence's tokens (the empty one too: an
+    admit that asks before checking the budget asks about no tokens) and of another sequence's."""
+    owner = 5
+    for seq, length in [(s, n) for s in (owner, 6) for n in range(0, cached + 40)]:
+        real = real_manager(prefix_caching, owner, cached, in_use)
+        fake = FakeBlocks(real.num_free, cached={owner: cached} if prefix_caching else {},
+                          unused=() if in_use else {owner})
+        token_ids = [seq] * length
+        what = f"{length} tokens of sequence {seq}, {cached} of sequence {owner}'s cached (in use: {in_use})"
+        same(fake.num_free, real.num_free, f"num_free, {what}")
+        same(fake.cached_tokens(token_ids), real.cached_tokens(token_ids), f"cached_tokens, {what}")
+        same(fake.blocks_to_admit(token_ids), real.blocks_to_admit(token_ids), f"blocks_to_admit, {what}")
+        if length:
+            same(fake.admit(seq, token_ids), real.admit(seq, token_ids), f"admit, {what}")
 
 
 # ---------- both, inside the engine ----------

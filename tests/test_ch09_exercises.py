@@ -11,6 +11,7 @@ Model's.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -78,7 +79,8 @@ def test_shard_weight_gives_each_rank_its_heads_columns_and_vocabulary(impl, rng
     shard_weight = impl("shard_weight")
     for _ in range(3):
         cfg = small_config(rng, world)
-        weight = rng.standard_normal(weight_shape(kind, cfg)).astype(np.float32)
+        dtype = rng.choice([np.float32, np.float64])   # a shard keeps its weight's dtype
+        weight = rng.standard_normal(weight_shape(kind, cfg)).astype(dtype)
         before = weight.copy()
         for rank in range(world):
             got = shard_weight(engine_name(kind), weight, cfg, rank, world)
@@ -88,7 +90,7 @@ def test_shard_weight_gives_each_rank_its_heads_columns_and_vocabulary(impl, rng
                     f"intermediate {cfg.intermediate_size}, vocabulary {cfg.vocab_size}")
             assert isinstance(got, np.ndarray), f"{what}: expected a NumPy array, got {type(got).__name__}"
             same(got.shape, expected.shape, f"{what}: the shape")
-            same(str(got.dtype), "float32", f"{what}: the dtype")
+            same(str(got.dtype), str(weight.dtype), f"{what}: the dtype (the weight's)")
             assert np.array_equal(got, expected), f"{what}: the right shape, the wrong rows or columns"
         assert np.array_equal(weight, before), f"shard_weight({engine_name(kind)!r}) changed the weight it was given"
 
@@ -110,6 +112,18 @@ def test_shard_weight_partial_products_add_up_to_the_whole(impl, rng, world):
         assert err < 1e-6, f"{kind}: the ranks' partial products add up to the product with relative error {err:.2e}"
 
 
+def refusal(call: Callable[[], object], what: str) -> str:
+    """The message of the TinyVLLMError that call() must raise; any other outcome fails, saying what it was."""
+    try:
+        call()
+    except TinyVLLMError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001  (any other exception is the grader's finding)
+        pytest.fail(f"{what}: raised {type(e).__name__} ({e}); expected a TinyVLLMError (raise it yourself, with a "
+                    "one-line message)", pytrace=False)
+    pytest.fail(f"{what}: returned normally; expected a TinyVLLMError", pytrace=False)
+
+
 @pytest.mark.ch9
 @pytest.mark.parametrize("kind, field", [("qkv", "num_attention_heads"), ("qkv", "num_key_value_heads"),
                                          ("o_proj", "num_attention_heads"), ("gate_up", "intermediate_size"),
@@ -123,17 +137,19 @@ def test_shard_weight_refuses_a_size_that_does_not_divide(impl, rng, kind, field
     if field == "num_attention_heads":  # keep GQA possible: K/V heads dividing the heads
         cfg = replace(cfg, num_key_value_heads=1, num_attention_heads=3)
     weight = rng.standard_normal(weight_shape(kind, cfg)).astype(np.float32)
-    with pytest.raises(TinyVLLMError) as e:
-        shard_weight(engine_name(kind), weight, cfg, 0, world)
-    assert "\n" not in str(e.value), f"one line, please: {str(e.value)!r}"
+    what = (f"shard_weight({engine_name(kind)!r}, weight {weight.shape}, rank 0, world {world}) with {field} = "
+            f"{getattr(cfg, field)}, which {world} does not divide")
+    message = refusal(lambda: shard_weight(engine_name(kind), weight, cfg, 0, world), what)
+    assert "\n" not in message, f"{what}: the message must be one line: {message!r}"
 
 
 @pytest.mark.ch9
 @pytest.mark.parametrize("rank", [-1, 2, 5])
 def test_shard_weight_refuses_a_rank_outside_the_world(impl, rng, rank):
     cfg = small_config(rng, 2)
-    with pytest.raises(TinyVLLMError):
-        impl("shard_weight")("0.qkv", np.zeros(weight_shape("qkv", cfg), np.float32), cfg, rank, 2)
+    weight = np.zeros(weight_shape("qkv", cfg), np.float32)
+    shard_weight = impl("shard_weight")
+    refusal(lambda: shard_weight("0.qkv", weight, cfg, rank, 2), f"shard_weight('0.qkv', rank {rank}, world 2)")
 
 
 def mlp_float64(x, gate, up, down) -> np.ndarray:
@@ -174,12 +190,18 @@ def test_parallel_mlp_gives_every_rank_the_whole_mlp_output(impl, rng, world, T)
     h, inter = int(rng.integers(4, 24)), world * int(rng.integers(1, 12))
     x, (gate, up, down), xs, gate_up, downs = mlp_shards(rng, world, T, h, inter)
     copies = [a.copy() for a in xs + gate_up + downs]
-    out = [np.full((T, h), np.nan, np.float32) for _ in range(world)]   # NaN: an unwritten element shows
+    buffers = [np.full((T, h), np.nan, np.float32) for _ in range(world)]   # NaN: an unwritten element shows
+    out = list(buffers)
     all_reduce = CountingAllReduce()
     parallel_mlp(xs, gate_up, downs, out, all_reduce)
     expected = mlp_float64(x, gate, up, down)
     for r in range(world):
-        check(out[r], expected, (T, h), tol=1e-5, what=f"out[{r}] of {world} ranks (T={T}, hidden {h}, intermediate {inter})")
+        assert out[r] is buffers[r], (
+            f"out[{r}] is no longer the rank's buffer: write into it (out[{r}][...] = ..., or np.matmul(..., "
+            f"out=out[{r}])); `out[{r}] = ...` replaces the list's entry and leaves the rank's buffer, which the next "
+            "layer reads, unwritten")
+        check(buffers[r], expected, (T, h), tol=1e-5,
+              what=f"out[{r}] of {world} ranks (T={T}, hidden {h}, intermediate {inter})")
     same(len(all_reduce.calls), 1, "calls to all_reduce (one, after down)")
     same(all_reduce.calls[0], [(T, h)] * world, "the shapes all_reduce was given (each rank's partial sum, (T, hidden))")
     assert all(np.array_equal(a, b) for a, b in zip(xs + gate_up + downs, copies)), "parallel_mlp changed its inputs"

@@ -86,7 +86,10 @@ def test_decodes_riding_in_the_prefill_pass_give_what_two_passes_give(tiny, rng)
     assert one.shape == (4, vocab) and np.isfinite(one).all(), "two prompts' last rows, then the two decodes"
     assert rel_err(one, two) < 1e-5, f"one pass vs two: relative error {rel_err(one, two):.1e}"
     for a, b, name in ((k1, k2, "K"), (v1, v2, "V")):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"the pool's {name}")
+        written = ~np.isnan(a)   # the same slots written (the rest still NaN), close as a whole: the two passes'
+        assert (written == ~np.isnan(b)).all(), f"the pool's {name}: not the same slots written"
+        err = rel_err(a[written], b[written])   # GEMMs may round one small element 1e-4 apart
+        assert err < 1e-5, f"the pool's {name}: relative error {err:.1e}"
 
 
 @pytest.mark.slow
@@ -100,7 +103,8 @@ def test_a_prompt_longer_than_the_step_buffers_matches_the_oracle_and_transforme
     from tinyvllm.formats.config import load_config
     from tinyvllm.model.weights import load_weights
     from tinyvllm.reference import ReferenceModel
-    llm = LLM(default_model_dir, device="cpu", max_num_batched_tokens=256, num_blocks=200)
+    llm = LLM(default_model_dir, device="cpu", max_num_batched_tokens=256, long_prefill_token_threshold=256,
+              num_blocks=200)
     assert llm.model.max_step_tokens == 256
     ids = rng.integers(3, llm.model_config.vocab_size, 1500).tolist()
     out = llm.generate([ids], GREEDY)[0].token_ids
@@ -123,9 +127,10 @@ def test_a_prompt_longer_than_the_step_buffers_matches_the_oracle_and_transforme
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_workloads_finish_within_the_budget_with_the_tokens_they_get_alone(tiny_model_dir, data):
-    """Prompt lengths up to 150, budgets from 8 to 64 tokens, pools from just enough for the longest
-    request to plenty, prefix caching on or off."""
+    """Prompt lengths up to 150, budgets from 8 to 64 tokens, a long-prefill cap from 1 token to the
+    budget, pools from just enough for the longest request to plenty, prefix caching on or off."""
     budget = data.draw(st.integers(8, 64), label="budget")
+    cap = data.draw(st.integers(1, budget), label="long_prefill_token_threshold")
     lengths = data.draw(st.lists(st.integers(1, 150), min_size=1, max_size=8), label="prompt lengths")
     caching = data.draw(st.booleans(), label="prefix caching")
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
@@ -139,7 +144,7 @@ def test_random_workloads_finish_within_the_budget_with_the_tokens_they_get_alon
     alone = LLM(str(tiny_model_dir), device="cpu", num_blocks=64, enable_prefix_caching=False)
     expected = [alone.generate([p], params)[0].token_ids for p in prompts]
     llm = LLM(str(tiny_model_dir), device="cpu", num_blocks=num_blocks, max_num_batched_tokens=budget,
-              enable_prefix_caching=caching, max_num_seqs=4)
+              long_prefill_token_threshold=cap, enable_prefix_caching=caching, max_num_seqs=4)
     seqs = [llm.add_request(p, params) for p in prompts]
     for _ in range(5000):
         if not llm.engine.has_work():
@@ -149,8 +154,38 @@ def test_random_workloads_finish_within_the_budget_with_the_tokens_they_get_alon
     assert [s.output_ids for s in seqs] == expected
     for t in llm.engine.trace_since(0):
         assert sum(t["chunks"]) + len(t["decode"]) <= budget, f"step {t['step']} computed past the budget"
+        assert max(t["chunks"], default=0) <= cap, f"step {t['step']}: one prompt took more than the cap"
     blocks = llm.engine.scheduler.blocks
     assert blocks.num_free == num_blocks and not blocks.tables, "blocks were not all given back"
+
+
+def test_a_short_prompt_starts_beside_a_long_one_and_nobody_stops_decoding(tiny_model_dir, rng):
+    """A 600-token prompt arrives while a sequence decodes; a short one arrives two steps later. With a
+    cap of 32 tokens per prompt and step, the short one starts in the very next step (the budget left
+    beside the long prompt's chunk), the decoding one gets a token every step, and all three answer as
+    alone. Without the cap the long prompt would take the whole budget until its prefill is done."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 4, 4)]  # 30: outlasts
+    prompts = [rng.integers(0, 1000, n).tolist() for n in (20, 600, 10)]                            # the prefill
+    alone = LLM(str(tiny_model_dir), device="cpu", num_blocks=64, enable_prefix_caching=False)
+    expected = [alone.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    llm = LLM(str(tiny_model_dir), device="cpu", num_blocks=64, max_num_batched_tokens=128,
+              long_prefill_token_threshold=32, enable_prefix_caching=False)
+    engine = llm.engine
+    seqs = [engine.add_request(prompts[0], params[0])]
+    engine.step()
+    seqs.append(engine.add_request(prompts[1], params[1]))
+    engine.step()
+    engine.step()
+    seqs.append(engine.add_request(prompts[2], params[2]))
+    engine.step()
+    assert seqs[2].output_ids, "the short prompt waited: it should start in the step after it arrived"
+    while engine.has_work():
+        engine.step()
+    trace = engine.trace_since(0)
+    long_steps = [t for t in trace if seqs[1].seq_id in t["prefill"]]
+    assert len(long_steps) == -(-600 // 32) and all(max(t["chunks"]) <= 32 for t in long_steps)
+    assert all(seqs[0].seq_id in t["decode"] for t in long_steps), "a step passed without the decoding sequence"
+    assert [s.output_ids for s in seqs] == expected
 
 
 def test_a_hash_collision_is_not_a_hit(monkeypatch, rng):

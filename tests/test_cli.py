@@ -221,6 +221,25 @@ def test_synth_refuses_a_non_empty_directory(synth_dir):
     assert_user_error(tinyvllm("synth", *TINY, "--out", str(synth_dir), check=False), "not empty")
 
 
+@pytest.mark.parametrize("out, words", [
+    ("missing/parent/model", ["missing/parent does not exist"]),
+    ("a-file", ["a-file is a file, not a directory"]),
+    ("a-file/model", ["a-file is not a directory"]),
+])
+def test_synth_refuses_an_out_it_cannot_create_and_writes_nothing(tmp_path, out, words):
+    (tmp_path / "a-file").write_text("kept")
+    before = sorted(tmp_path.rglob("*"))
+    assert_user_error(tinyvllm("synth", *TINY, "--out", str(tmp_path / out), check=False), "--out", *words)
+    assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "a-file").read_text() == "kept"
+
+
+def test_a_config_nested_100000_deep_in_a_real_process(synth_dir, tmp_path):
+    """The JSON parser's recursion limit, hit in a fresh interpreter with its default stack."""
+    model = copy_of(synth_dir, tmp_path)
+    (model / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert_user_error(tinyvllm("info", "--model", str(model), check=False), "config.json", "nested too deeply")
+
+
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_debug_shows_the_traceback(tmp_path, where):
     args = ["generate", "hi", "--model", str(tmp_path / "nope")]

@@ -18,7 +18,7 @@ from chapters.figures import all_figures
 from chapters.grading import chapter_numbers, chapter_package, exercises
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = chapter_numbers()  # 1 .. 9
+CHAPTERS = chapter_numbers()  # every chapters/chNN_* package, in order
 
 
 def slug(chapter: int) -> str:
@@ -115,6 +115,21 @@ def test_chapter_6_graders_still_fail_on_the_given_methods_alone():
         exercises(6).BlockManager(4)
 
 
+# ---------- the number of chapters lives in one place: the chapters/ packages ----------
+
+def table_chapters(markdown: str) -> list[int]:
+    """The chapter numbers of the Markdown table rows that start `| N |`."""
+    return [int(n) for n in re.findall(r"^\| (\d+) \|", markdown, re.M)]
+
+
+def test_the_readme_table_and_chapter_1s_map_list_every_chapter():
+    assert table_chapters((ROOT / "README.md").read_text()) == CHAPTERS, \
+        "README.md's course table: one row per chapters/chNN_* package, in order"
+    text = (ROOT / "chapters" / "ch01_map" / "README.md").read_text()
+    section = text.split("## The code, and the map of the course", 1)[1].split("\n## ", 1)[0]
+    assert table_chapters(section) == CHAPTERS, "chapter 1's map: one row per chapters/chNN_* package, in order"
+
+
 # ---------- figures: drawn by `make figures`, shown by a chapter ----------
 
 def test_every_figure_is_drawn_by_make_figures_and_shown_by_a_chapter():
@@ -165,11 +180,22 @@ def test_relative_links_resolve(markdown):
     assert not broken, f"{markdown.relative_to(ROOT)}: {broken}"
 
 
+# a count of chapters written in prose goes stale with the next chapter ("the next two chapters" does not)
+CHAPTER_COUNT = re.compile(r"(?<!next )(?<!last )(?<!first )\b(?:one|two|three|four|five|six|seven|eight|nine|ten|"
+                           r"eleven|twelve|\d+) chapters\b", re.I)
+
+
+@pytest.mark.parametrize("markdown", MARKDOWN, ids=[str(p.relative_to(ROOT)) for p in MARKDOWN])
+def test_no_text_counts_the_chapters(markdown):
+    found = CHAPTER_COUNT.findall(markdown.read_text())
+    assert not found, f"{markdown.relative_to(ROOT)} counts the chapters ({found}): name them, or let a table list them"
+
+
 # ---------- make course: stops at the first failing checkpoint ----------
 
 def test_course_stops_at_the_first_failure_and_names_it(monkeypatch, capsys):
     ran = []
-    monkeypatch.setattr(course, "run_checkpoint", lambda n, impl: ran.append(n) or (1 if n == 3 else 0))
+    monkeypatch.setattr(course, "run_checkpoint", lambda n, impl, full: ran.append(n) or (1 if n == 3 else 0))
     assert course.main([]) == 1
     assert ran == [1, 2, 3]
     assert "chapter 3 (ch03_prefill)" in capsys.readouterr().err
@@ -177,9 +203,12 @@ def test_course_stops_at_the_first_failure_and_names_it(monkeypatch, capsys):
 
 def test_course_runs_every_chapter_in_order_when_all_pass(monkeypatch, capsys):
     ran = []
-    monkeypatch.setattr(course, "run_checkpoint", lambda n, impl: ran.append((n, impl)) or 0)
+    monkeypatch.setattr(course, "run_checkpoint", lambda n, impl, full: ran.append((n, impl, full)) or 0)
     assert course.main(["--impl", "student"]) == 0
-    assert ran == [(n, "student") for n in CHAPTERS]
+    assert ran == [(n, "student", False) for n in CHAPTERS]
+    ran.clear()
+    assert course.main(["--full"]) == 0
+    assert ran == [(n, "reference", True) for n in CHAPTERS]
     assert "every checkpoint PASSED" in capsys.readouterr().out
 
 

@@ -86,3 +86,13 @@ def test_committed_notebook_shows_its_outputs(path):
     """The file in the repository is the executed notebook (make notebooks), not bare calls."""
     problems = output_problems(nbformat.read(path, as_version=4))
     assert not problems, f"{path.name} is not committed executed; run `make notebooks`:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_committed_notebook_shows_no_stderr(path):
+    """A reader sees what the cells print, not a progress bar's every redraw or a library's warning: each
+    stderr write is an output of its own in the file, and GitHub shows them all."""
+    nb = nbformat.read(path, as_version=4)
+    stderr = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+              for o in cell.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+    assert not stderr, f"{path.name}: stderr outputs in cells {sorted(set(stderr))} (e.g. use_tqdm=True)"

@@ -350,6 +350,39 @@ def test_named_template_list_and_missing_template(smol_dir, tmp_path):
 
 # ---------------------------------------------------------------- user errors
 
+@pytest.mark.parametrize("code, error", [
+    ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError"),  # the sandbox's MAX_RANGE
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ 'a' - 1 }}", "TypeError"),
+])
+def test_a_template_whose_own_code_fails_is_one_line(smol_dir, tmp_path, code, error):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((smol_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(code)
+    with pytest.raises(TinyVLLMError, match=rf"the chat template failed \({error}: ") as info:
+        load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("merges", [
+    "Ġ t",                     # not a list
+    [["Ġ", "t", "x"]],         # three parts
+    [[1, 2]],                  # not text
+    [["Ġ", "qqqqqqqq"]],       # a part the vocab lacks
+    [["qq", "qq"]],            # both parts known, their join "qqqq" is not
+])
+def test_merges_hf_refuses_are_refused(smol_dir, tmp_path, merges):
+    """tiktoken merges by id and never reads model.merges: they are checked as HF's tokenizers checks them."""
+    hf_json = json.loads((smol_dir / "tokenizer.json").read_text())
+    hf_json["model"]["merges"] = merges if isinstance(merges, str) else [*merges, *hf_json["model"]["merges"]]
+    with pytest.raises(Exception):
+        tokenizers.Tokenizer.from_str(json.dumps(hf_json))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(hf_json))
+    with pytest.raises(TinyVLLMError, match="model.merges") as info:
+        load_tokenizer(tmp_path / "tokenizer.json")
+    assert "\n" not in str(info.value)
+
+
 def test_missing_path(tmp_path):
     with pytest.raises(TinyVLLMError, match="does not exist"):
         load_tokenizer(tmp_path / "nope")

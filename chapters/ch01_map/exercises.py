@@ -32,7 +32,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     Each row is divided by its root-mean-square, then scaled per channel by `weight` (hidden,).
     Unlike LayerNorm there is no mean subtraction and no bias. `eps` goes inside the square root:
     it only matters for rows that are almost zero, where it keeps the division finite.
-    The result has x's shape and stays float32.
+    The result is a new array of x's shape, float32; x itself is left as it was (the model still needs
+    it: it is the residual stream each layer adds to).
     """
     raise NotImplementedError("Exercise 1.1: rms_norm")
 

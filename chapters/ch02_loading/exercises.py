@@ -39,10 +39,11 @@ def parse_header(raw: bytes, file_size: int, path) -> tuple[dict[str, TensorInfo
     raises TinyVLLMError, naming the file (and the tensor), for every way the file can be corrupt.
 
     Hints: struct.unpack("<Q", raw[:8]) is the length N; raw[8:8 + N] is UTF-8 JSON; the data
-    section starts at byte 8 + N; "__metadata__" is not a tensor. Check: N fits in the file, the
-    JSON is an object, each dtype is in DTYPES, each [begin, end] lies inside the file, end - begin
-    equals prod(shape) * itemsize, and no two tensors' byte ranges overlap (the header may list
-    them in any order).
+    section starts at byte 8 + N; "__metadata__" is not a tensor. Check: N fits in the file after
+    its own 8 bytes, the JSON is an object, each dtype is in DTYPES, each shape is a list of
+    non-negative integers (JSON's true is not one, though Python counts a bool as an int), each
+    [begin, end] lies inside the file, end - begin equals prod(shape) * itemsize, and no two
+    tensors' byte ranges overlap (the header may list them in any order).
     """
     raise NotImplementedError("Exercise 2.1: parse_header — read the 8-byte length, the JSON, "
                               "and check every entry")

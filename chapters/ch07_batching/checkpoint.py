@@ -1,11 +1,13 @@
-"""`make chapter-7`: 32 chat prompts through ONE engine — continuous batching against static batching.
+"""`make chapter-7`: chat prompts through ONE engine — continuous batching against static batching.
 
     make chapter-7                  # python -m chapters 7: on the GPU if CuPy sees one, else on the CPU
     make chapter-7 IMPL=student     # the same, with your admit (7.1) and choose_victim (7.2) in the Scheduler
+    make chapter-7 FULL=1           # all 32 requests, the chapter text's run (python -m chapters 7 --full)
 
-The 32 requests (greedy; request i may generate MAX_TOKENS[i % 5] tokens, 24 on average, and stops
-earlier at <|im_end|>) run through one LLM with MAX_NUM_SEQS slots and a pool of NUM_BLOCKS blocks, too
-small for eight growing answers at once, so the scheduler must preempt. Three runs:
+The requests (greedy; request i may generate MAX_TOKENS[i % 5] tokens, 24 on average, and stops earlier
+at <|im_end|>) run through one LLM with MAX_NUM_SEQS slots and a pool of NUM_BLOCKS blocks, too small for
+eight growing answers at once, so the scheduler must preempt. By default the first DEFAULT_REQUESTS of
+the 32 prompts, so that the checkpoint fits a shared 2-core machine; --full runs all 32. Three runs:
   continuous  all 32 submitted at once with llm.generate: a finished request's slot is refilled the
               very next step (the slot timeline below shows it);
   static      the same requests in fixed batches of MAX_NUM_SEQS, each batch stepped until its last
@@ -49,6 +51,8 @@ PROMPTS = ch05.PROMPTS + [
     "Name a musical instrument.", "How do plants make food?", "What is the freezing point of water?",
     "Give me a word that rhymes with cat."]
 MAX_TOKENS = (8, 16, 24, 32, 40)  # request i: MAX_TOKENS[i % 5], so lengths differ as real requests' do
+DEFAULT_REQUESTS = 16             # without --full: two batches' worth, still enough to preempt (most of the
+                                  # time goes to check (a)'s runs alone, one decode step per token)
 MAX_NUM_SEQS = 8                  # slots: sequences in one step
 NUM_BLOCKS = 28                   # 8 prompts take 3 blocks each; growing to 4 or 5, they cannot all fit
 TIMELINE_WIDTH = 100              # steps shown in the printed timeline
@@ -68,6 +72,7 @@ class Run:
     prompt_lens: list[int]
     max_num_seqs: int          # the scheduler's limits in this run
     budget: int                # max_num_batched_tokens
+    long_prefill: int          # long_prefill_token_threshold: the most tokens of one prompt per step
 
     @property
     def output_tokens(self) -> int:
@@ -140,10 +145,11 @@ def run_static(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
                engine.trace_since(first_step), seconds, waves, *limits(llm, prompts))
 
 
-def limits(llm: LLM, prompts: list[list[int]]) -> tuple[list[int], int, int]:
+def limits(llm: LLM, prompts: list[list[int]]) -> tuple[list[int], int, int, int]:
     """What a replay of a run needs besides its tokens: the prompt lengths and the scheduler's limits."""
     sched = llm.engine.scheduler
-    return [len(p) for p in prompts], sched.max_num_seqs, sched.max_num_batched_tokens
+    return [len(p) for p in prompts], sched.max_num_seqs, sched.max_num_batched_tokens, \
+        sched.long_prefill_token_threshold
 
 
 def run_alone(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
@@ -207,7 +213,7 @@ def replay(module: ModuleType, run: Run, num_blocks: int = NUM_BLOCKS) -> list[t
     """The run's scheduling without a model, by module.Scheduler: each request generates exactly as many
     tokens as it did in the run; the scheduler takes the blocks itself, as it does in the engine, and its
     plan goes nowhere. Per step: (prefill ids, decode ids, preempted ids, free blocks after it)."""
-    sched = module.Scheduler(num_blocks, run.max_num_seqs, run.budget)
+    sched = module.Scheduler(num_blocks, run.max_num_seqs, run.budget, long_prefill_token_threshold=run.long_prefill)
     steps = []
     for wave in run.waves:
         for i in wave:
@@ -267,13 +273,16 @@ def verdict(static: Run, continuous: Run, loads: tuple[float, float]) -> list[st
     ]
 
 
-def main() -> bool:
+def main(full: bool = False) -> bool:
     device = "cuda" if cuda_available() else "cpu"
     load_at_start, start = os.getloadavg()[0], time.perf_counter()
     llm = make_llm(device)
     load_s = time.perf_counter() - start
-    prompts, params = chat_prompts(llm), request_params(len(PROMPTS))
+    prompts = chat_prompts(llm)[:len(PROMPTS) if full else DEFAULT_REQUESTS]
+    params = request_params(len(prompts))
     print(f"model: {llm.model_dir}; device: {device}\n"
+          + ("" if full else f"the first {len(prompts)} of the {len(PROMPTS)} requests (--full, or make chapter-7 "
+                             f"FULL=1, runs all {len(PROMPTS)}: the chapter text's run)\n") +
           f"{len(prompts)} chat prompts of {min(map(len, prompts))} to {max(map(len, prompts))} tokens, greedy, "
           f"max_tokens {', '.join(map(str, MAX_TOKENS))} in turn (stopping earlier at a stop token)\n"
           f"one LLM: max_num_seqs {MAX_NUM_SEQS}, a pool of {NUM_BLOCKS} blocks of 16 tokens\n"

@@ -27,8 +27,8 @@ REFERENCE = {
 def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
     """Move waiting sequences to running, in arrival order, while each fits: a free slot (max_num_seqs),
     tokens left in the step's budget, and `free` blocks (those not yet promised this step). A sequence
-    computes what its cached prefix does not hold, as much of it as the budget allows (a chunk; the
-    rest follows in the next steps). Each one admitted goes into step.prefills, its token count into
+    computes what its cached prefix does not hold, as much of it as the budget allows and at most
+    scheduler.long_prefill_token_threshold tokens (a chunk; the rest follows in the next steps). Each one admitted goes into step.prefills, its token count into
     step.chunks; the first that does not fit ends admission (FIFO).
 
     Exercise 7.1. Scheduler.decide calls this last: the running sequences have been promised their decode
@@ -37,6 +37,8 @@ def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
       scheduler.waiting                 a collections.deque of Sequence, the next one on the LEFT
       scheduler.running                 a list of Sequence, in admission order (append to it)
       scheduler.max_num_seqs            how many sequences may run at once (running included)
+      scheduler.long_prefill_token_threshold  the most tokens one prompt may compute in a step, so that
+                                        a long prompt leaves budget for the short ones behind it
       scheduler.blocks                  the block manager:
           blocks.cached_tokens(seq.token_ids) -> int      leading tokens already in the pool (prefix
                                                           caching; 0 without it): they cost no budget
@@ -49,18 +51,20 @@ def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
       budget                            tokens this step may still compute (the decodes and a started
                                         prompt's chunk already took theirs)
 
-    Look at the sequence at the head of the queue, waiting[0] (all its tokens count: a preempted one
-    recomputes its output too). With cached = blocks.cached_tokens(seq.token_ids), it computes
-    count = min(len(seq) - cached, budget) tokens this step, which take
-    need = blocks.blocks_to_admit(seq.token_ids[:cached + count]) blocks. It is admitted if
-    len(scheduler.running) < max_num_seqs, budget > 0 and need <= free.
-    If so: pop it from the left of waiting; set seq.status = Status.RUNNING; free -= need; budget -= count;
-    seq.num_cached = seq.num_computed = blocks.admit(seq.seq_id, seq.token_ids) (call admit exactly once
-    per admitted sequence, never for one that is refused; set both every time: a preempted sequence
-    starts over); append it to scheduler.running, to step.prefills, and count to step.chunks. Then look
-    at the new head. The first sequence that does not fit stops admission: it stays at the head,
-    untouched, and nobody behind it is admitted even if they would fit (nobody is overtaken, so a long
-    prompt is not starved by a stream of short ones). Return nothing.
+    The rules, for the sequence at the head of the queue, waiting[0]:
+      - it computes the tokens of seq.token_ids (prompt AND output: a preempted one recomputes what it
+        had generated) that its cached prefix does not hold, or as many of them as `budget` and
+        scheduler.long_prefill_token_threshold allow (a chunk). Cached tokens cost no budget;
+      - it fits if a slot is free (max_num_seqs counts the running ones), budget is left, and the blocks
+        it takes are at most `free`: blocks_to_admit of its tokens from the first to the chunk's last;
+      - one that fits leaves the queue and runs: status RUNNING, blocks.admit called for it exactly once,
+        whose answer is both seq.num_cached and seq.num_computed (both, every time: a preempted sequence
+        starts over); it goes to the end of scheduler.running and of step.prefills, its chunk's size to
+        step.chunks; its blocks and tokens are no longer there for the sequences behind it;
+      - the first that does not fit ends admission: it stays at the head, untouched (no blocks.admit),
+        and nobody behind it is admitted even if they would fit (nobody is overtaken, so a long prompt is
+        not starved by a stream of short ones).
+    Return nothing.
     """
     raise NotImplementedError("Exercise 7.1: admit")
 

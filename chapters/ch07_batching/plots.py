@@ -18,6 +18,7 @@ from chapters.ch07_batching import checkpoint, live_page, server_demo
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine.block_manager import BLOCK_SIZE
 from tinyvllm.engine.engine import Engine
+from tinyvllm.engine.engine_config import MAX_STEP_TOKENS
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.model.kv_pool import PagedKVPool
 
@@ -50,16 +51,18 @@ def workload() -> tuple[checkpoint.Run, checkpoint.Run]:
 
 @lru_cache(maxsize=1)
 def cpu_llm() -> LLM:
-    """The default model on the CPU, for engines built on it with other settings (a pool of 256 blocks)."""
-    return LLM(resolve_model("default"), device="cpu", num_blocks=256)
+    """The default model on the CPU, for engines built on it with other settings (a pool of 256 blocks, step
+    buffers of MAX_STEP_TOKENS rows: the figures' batches of up to 256 sequences and their budgets fit)."""
+    return LLM(resolve_model("default"), device="cpu", num_blocks=256, max_num_batched_tokens=MAX_STEP_TOKENS["cpu"])
 
 
 def engine_on(llm: LLM, max_num_seqs: int = 256, prefix_caching: bool = False, num_blocks: int = 256,
               budget: int | None = None) -> Engine:
     """A fresh Engine (empty pool, new scheduler) over the LLM's model: settings without reloading weights
     (a step budget at most the model's step buffers)."""
+    budget = budget or llm.engine.config.max_num_batched_tokens   # one prompt may take all of it: no long-prefill cap
     config = replace(llm.engine.config, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
-                     num_blocks=num_blocks, max_num_batched_tokens=budget or llm.engine.config.max_num_batched_tokens)
+                     num_blocks=num_blocks, max_num_batched_tokens=budget, long_prefill_token_threshold=budget)
     return Engine(config, llm.model, PagedKVPool(llm.model_config, llm.model.ops, num_blocks), llm.tokenizer)
 
 

@@ -48,7 +48,7 @@ def shard_weight(name: str, weight: np.ndarray, cfg: LlamaConfig, rank: int, wor
       "embed", "lm_head"  (V, h) -> (V / world, h): the vocabulary rows r V/world .. (r + 1) V/world - 1
       the norms (h,) -> (h,): the whole vector on every rank (replicated)
 
-    Return a new float32 array (a copy: on a GPU a rank holds only its shard); `weight` is not changed.
+    Return a new array of weight's dtype (a copy: on a GPU a rank holds only its shard); `weight` is not changed.
     Raise TinyVLLMError (one line) if `world` does not divide the size the weight is split along (H and
     KVH for qkv and o_proj, I for gate_up and down, V for embed and lm_head), or if rank is not in
     0 .. world - 1. np.split(a, world, axis=...) cuts equal consecutive blocks.
@@ -66,10 +66,13 @@ def parallel_mlp(x: list[np.ndarray], gate_up: list[np.ndarray], down: list[np.n
       down[r]     (h, I/N): its shard of down, the input columns matching its gate/up rows
       out[r]      (T, h): where its result goes
     The MLP is down(silu(gate x) * up x). Rank r computes, with no help from the others, its I/N columns
-    of gate x and up x, then act_r = silu(gate_r x) * (up_r x) (T, I/N) — swiglu(gate_up_rows, act) from
-    numpy_ops does this on the fused [gate | up] columns — then act_r @ down[r]^T (T, h) into out[r]:
-    a partial sum of the output. Then call all_reduce(out) exactly once: it replaces every out[r] by the
-    sum over the ranks, so afterwards each out[r] holds the whole MLP output.
+    of gate x and up x, then act_r = silu(gate_r x) * (up_r x) (T, I/N), then act_r @ down[r]^T (T, h)
+    into out[r]: a partial sum of the output. swiglu(gate_up, act) from numpy_ops computes act_r: it reads
+    gate_up, the (T, 2 I/N) product x[r] @ gate_up[r]^T ([gate | up] columns), and WRITES its result into
+    act, a (T, I/N) float32 array you make (it returns nothing). Then call all_reduce(out) exactly once: it
+    replaces the contents of every out[r] by the sum over the ranks, so afterwards each out[r] holds the
+    whole MLP output. Write into the arrays out[r] (out[r][...] = ..., or out=out[r]): they are the ranks'
+    buffers, which the next layer reads; `out[r] = ...` would only replace the list's entry.
     Keep float32 (NumPy 2 turns float32 * a float64 scalar into float64). Do not change x or the weights.
     """
     raise NotImplementedError("Exercise 9.2: parallel_mlp")

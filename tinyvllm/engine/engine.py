@@ -51,7 +51,7 @@ class Engine:
         self.config, self.model, self.pool, self.tokenizer = config, model, pool, tokenizer
         self.stop_ids = set(tokenizer.stop_token_ids) | set(model.cfg.eos_token_ids)
         self.scheduler = Scheduler(pool.num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_prefix_caching)
+                                   config.enable_prefix_caching, config.long_prefill_token_threshold)
         self.decode = decode or (lambda steps: decode_batch(model, pool, steps))
         self._ids = itertools.count()
         self.steps = 0   # steps run so far
@@ -65,12 +65,12 @@ class Engine:
         device, model_dir = resolve_device(config.device), resolve_model(config.model)
         cfg = load_config(model_dir)  # a bad config.json is reported before anything else is read
         tokenizer = load_tokenizer(model_dir)
-        model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        model = Model(model_dir, device, max_model_len=model_len, max_step_tokens=config.step_tokens(device),
+        model_len = config.model_len(cfg)
+        model = Model(model_dir, device, max_model_len=model_len, max_step_tokens=config.step_tokens(device, cfg),
                       batch_invariant=config.batch_invariant)
         num_blocks = config.num_blocks or pool_blocks(cfg, model.ops, config.gpu_memory_utilization)
         pool = PagedKVPool(cfg, model.ops, num_blocks)
-        clamped = config.clamped(device, model_len, num_blocks)
+        clamped = config.clamped(device, cfg, num_blocks)
         if clamped.max_model_len < model_len:  # one sequence must fit the pool: never refuse a request later
             log.info("max_model_len lowered from %d to %d: what the KV cache pool of %d blocks holds",
                      model_len, clamped.max_model_len, num_blocks)

@@ -10,11 +10,34 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from tinyvllm.errors import TinyVLLMError
+from tinyvllm.formats.config import LlamaConfig
 from tinyvllm.model.kv_pool import BLOCK_SIZE
 
-# Tokens one step computes: the rows of the model's step buffers (float32 on the CPU: ~32 KB per token of
-# SmolLM2; bf16 on the GPU)
+# Tokens one step computes, at most by default: the rows of the model's step buffers (float32 on the CPU:
+# ~32 KB per token of SmolLM2; bf16 on the GPU)
 MAX_STEP_TOKENS = {"cpu": 4096, "cuda": 8192}
+# On the CPU a step costs in proportion to its tokens: its default budget is the tokens whose products with
+# the layers' weights take about this many FLOPs, roughly 0.3 s on two laptop cores (64 tokens of SmolLM2-135M)
+CPU_STEP_FLOPS = 1.5e10
+# The most tokens of one prompt a step computes, by default: a short prompt arriving beside a long one
+# waits about one such step, not the long prompt's whole prefill. The CPU's budget is already small: half
+# of it; a GPU's is sized for throughput: 1,024 of its 8,192 keep a step of a 1B model in milliseconds.
+LONG_PREFILL_SHARE = {"cpu": 2, "cuda": 8}
+
+
+def layer_flops_per_token(cfg: LlamaConfig) -> int:
+    """2 FLOPs (a multiply and an add) per weight of the decoder layers, for every token of a step."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    per_layer = h * (2 * cfg.q_size + 2 * cfg.kv_size) + 3 * h * inter   # q, o, k, v; gate, up, down
+    return 2 * cfg.num_hidden_layers * per_layer
+
+
+def default_step_tokens(device: str, cfg: LlamaConfig) -> int:
+    """The device's step budget for this model: a multiple of the block size on the CPU (see CPU_STEP_FLOPS)."""
+    if device != "cpu":
+        return MAX_STEP_TOKENS[device]
+    tokens = int(CPU_STEP_FLOPS // layer_flops_per_token(cfg)) // BLOCK_SIZE * BLOCK_SIZE
+    return min(MAX_STEP_TOKENS["cpu"], max(BLOCK_SIZE, tokens))
 
 
 @dataclass(frozen=True)
@@ -26,13 +49,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9          # share of the GPU's memory for weights, buffers and the pool
     max_num_seqs: int = 256                      # sequences running at once
     max_num_batched_tokens: int | None = None    # the token budget of a step (its buffers' rows): None = the
-                                                 # device's MAX_STEP_TOKENS; longer prompts go in chunks
+                                                 # device's default_step_tokens; longer prompts go in chunks
     enable_prefix_caching: bool = True           # vLLM v1's default: full blocks shared between prompts
     enforce_eager: bool = False                  # no CUDA graphs for decode
     batch_invariant: bool = False                # a sequence's logits never depend on its batch (slower)
+    long_prefill_token_threshold: int | None = None  # the most tokens one prompt takes of a step: None = a
+                                                 # share of the budget, LONG_PREFILL_SHARE (the rest admits others)
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "long_prefill_token_threshold"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TinyVLLMError(f"{name} must be a positive whole number, got {value!r}")
@@ -43,17 +69,23 @@ class EngineConfig:
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    def step_tokens(self, device: str) -> int:
+    def step_tokens(self, device: str, cfg: LlamaConfig) -> int:
         """Rows of the model's step buffers: the step's token budget (the device's default unless asked).
         Not capped by the context window: a step holds many sequences' tokens, each within the window
         (vLLM sets max_num_batched_tokens apart from max_model_len for the same reason)."""
-        return self.max_num_batched_tokens or MAX_STEP_TOKENS[device]
+        return self.max_num_batched_tokens or default_step_tokens(device, cfg)
 
-    def clamped(self, device: str, model_len: int, num_blocks: int) -> EngineConfig:
-        """These settings as the engine will run them, on `device`, with a model whose context is model_len
-        (max_model_len applied) and a pool of num_blocks blocks."""
-        step_tokens = self.step_tokens(device)
+    def model_len(self, cfg: LlamaConfig) -> int:
+        """The context window asked for, at most the model's."""
+        return min(self.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+    def clamped(self, device: str, cfg: LlamaConfig, num_blocks: int) -> EngineConfig:
+        """These settings as the engine will run them, on `device`, with the model `cfg` (max_model_len
+        applied) and a pool of num_blocks blocks."""
+        step_tokens = self.step_tokens(device, cfg)
+        long_prefill = self.long_prefill_token_threshold or step_tokens // LONG_PREFILL_SHARE[device]
         return replace(self, device=device, num_blocks=num_blocks,
-                       max_model_len=min(model_len, num_blocks * BLOCK_SIZE),  # one sequence must fit the pool
+                       max_model_len=min(self.model_len(cfg), num_blocks * BLOCK_SIZE),  # one sequence fits the pool
                        max_num_batched_tokens=step_tokens,
+                       long_prefill_token_threshold=max(1, min(step_tokens, long_prefill)),
                        max_num_seqs=min(self.max_num_seqs, step_tokens))      # a decode step's rows are buffer rows

@@ -50,6 +50,7 @@ if TYPE_CHECKING:   # the model code is imported by the engine process alone (ru
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600      # loading a model (and compiling kernels) on a cold machine takes minutes at worst
 POLL_MS = 500              # how often the API side checks that the engine process is still alive
+HEARTBEAT_S = 1.0          # an idle engine still reports this often: silence means stopped or stuck
 SEQUENCE_LISTS = ("prefill", "decode", "preempted")   # the lists of sequence ids in a step's trace record
 
 
@@ -114,6 +115,7 @@ class EngineCore:
         self.busy = self.idle = 0.0                  # seconds in steps, and waiting for work
         self.queries = self.hits = 0                 # prefix cache: tokens admitted, tokens found cached
         self.snapshot_asked = False                  # a live page watches: the next Report carries a snapshot
+        self.last_sent = time.monotonic()            # when the last Report went out (heartbeats while idle)
 
     def run(self) -> None:
         """Until told to stop (None; SIGTERM from api_servers.py's supervisor) or orphaned; then one log line
@@ -136,6 +138,8 @@ class EngineCore:
                 self.idle += time.perf_counter() - start
                 if arrived:
                     break
+                if time.monotonic() - self.last_sent >= HEARTBEAT_S:   # an empty report: "still here"
+                    self._send(self._report([], None, None))
                 if os.getppid() != self.parent:                     # the API server is gone: so are we
                     return log.warning("the API server process is gone; the engine stops")
             while self.commands.poll(0):
@@ -169,6 +173,7 @@ class EngineCore:
     def _send(self, data: bytes) -> None:
         for socket in self.reports:
             socket.send(data)
+        self.last_sent = time.monotonic()
 
     def _apply(self, command: Add | Abort | Snapshot, updates: list[Update]) -> None:
         if isinstance(command, Snapshot):
@@ -284,6 +289,7 @@ def run_engine_core(config: EngineConfig, *addresses: str) -> None:
     """The engine process's main: build the LLM, say ready (or why not), loop until shut down.
     addresses: a (commands, reports) pair per API-server process; one PULL socket reads every commands one."""
     context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 1000)   # exiting (SIGTERM too) waits at most 1 s for reports nobody reads
     commands, reports = context.socket(zmq.PULL), [context.socket(zmq.PUSH) for _ in addresses[1::2]]
     for address in addresses[0::2]:
         commands.connect(address)
@@ -358,6 +364,7 @@ class EngineClient:
         else:
             self.process = start_engine_process(self.config, list(addresses))
         self._wait_ready()
+        self.last_heard = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="tinyvllm-reports", daemon=True)
         self._reader.start()
 
@@ -385,9 +392,14 @@ class EngineClient:
             report = report_from(self._reports.recv())
             if not isinstance(report, Report):   # ("closed",): the engine has shut down
                 return
+            self.last_heard = time.monotonic()
             self.stats = report.stats
             if self.on_report is not None:
                 self.on_report(report)
+
+    def silent_for(self) -> float:
+        """Seconds since the engine last reported: a step, or a heartbeat while idle (HEARTBEAT_S)."""
+        return time.monotonic() - self.last_heard
 
     def alive(self) -> bool:
         if self.attach is not None:

@@ -5,13 +5,18 @@ the model's step buffers), spent in this order (vLLM v1's rule):
   1. Every running sequence that decodes gets one token. Each may need a new block; when the pool is
      empty, the YOUNGEST running sequence is preempted: its blocks go back to the pool and it goes to
      the front of the queue, to be recomputed from its tokens (prompt + output so far) later.
-  2. A prompt already started (too long for one step's budget) continues with its next chunk: as much
-     of the rest as the budget left allows.
+  2. A prompt already started (too long for one step) continues with its next chunk: as much of the rest
+     as the budget left allows, and at most long_prefill_token_threshold tokens. If the pool cannot hold
+     the oldest one's chunk and nothing else runs, the youngest is preempted for it (prompts part-way
+     through their prefill could otherwise hold the whole pool and wait for each other forever).
   3. Waiting sequences start, in arrival order (FIFO: nobody is overtaken), while there is a free slot
-     (max_num_seqs), budget left and blocks: each with as much of its prompt as the budget left allows
-     (its cached prefix costs nothing). The first that does not fit stops admission.
-So a prompt can be as long as the context window, and a long prompt never stalls the running sequences:
-they keep decoding while it goes through, chunk by chunk.
+     (max_num_seqs), budget left and blocks: each with as much of its prompt as the budget left allows,
+     again at most long_prefill_token_threshold tokens (its cached prefix costs nothing). The first that
+     does not fit stops admission.
+So a prompt can be as long as the context window, and a long prompt stalls nobody: the running
+sequences keep decoding while it goes through, chunk by chunk, and since one prompt takes at most
+long_prefill_token_threshold tokens of a step, the rest of the budget admits the short prompts that
+arrive meanwhile (vLLM's long_prefill_token_threshold: several partial prefills share a step).
 Then it takes the blocks it promised and hands the model a plan (tinyvllm/model/step_plan.py): per
 sequence, the tokens to compute, their positions, their slots and its block table. The model only reads
 the plan. A finished sequence leaves the running set (and its blocks the pool) before the next step is
@@ -41,7 +46,7 @@ class Step:
 
 class Scheduler:
     def __init__(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, long_prefill_token_threshold: int | None = None):
         if prefix_caching:  # full blocks named by hash, shared between prompts
             from tinyvllm.engine.prefix_cache import PrefixCachingBlockManager
             self.blocks = PrefixCachingBlockManager(num_blocks)
@@ -49,6 +54,8 @@ class Scheduler:
             self.blocks = block_manager.BlockManager(num_blocks)  # through the module: Exercise 6.1 plugs in here
         self.prefix_caching = prefix_caching
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        # the most tokens one prompt computes in a step (None: the whole budget, one prompt may fill a step)
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order: the last one is the youngest
 
@@ -84,12 +91,14 @@ class Scheduler:
                 free -= need
                 step.decodes.append(seq)
         budget = self.max_num_batched_tokens - len(step.decodes)
-        for seq in self.running:                       # prompts started in an earlier step: the next chunk
-            if seq.decoding or seq in step.decodes:
+        for seq in list(self.running):                 # prompts started in an earlier step: the next chunk
+            if seq.decoding or seq in step.decodes or seq.status is not Status.RUNNING:
                 continue
-            count = min(len(seq) - seq.num_computed, budget)
+            count = min(len(seq) - seq.num_computed, budget, self.long_prefill_token_threshold)
             need = self.blocks.blocks_to_extend(seq.seq_id, count) if count else 0
-            if not count or need > free:
+            if need > free and not (step.decodes or step.prefills):
+                free += self._make_room(seq, need - free, step)   # else every started prompt waits forever
+            if not count or need > free or seq.status is not Status.RUNNING:
                 return step                            # no room for the oldest started prompt: nobody starts
             free, budget = free - need, budget - count
             step.prefills.append(seq)
@@ -108,6 +117,17 @@ class Scheduler:
         for seq, count in zip(step.prefills + step.decodes, step.chunks + [1] * len(step.decodes)):
             seq.num_computed += count                  # their K/V are in the pool once the step has run
         step.plan = StepPlan(prefills, decodes)
+
+    def _make_room(self, seq: Sequence, blocks: int, step: Step) -> int:
+        """Nothing else runs this step and the started prompt `seq` lacks `blocks` blocks: the pool is held by
+        prompts part-way through their prefill (several at once, each capped at long_prefill_token_threshold).
+        Preempt the youngest until it fits (perhaps seq itself); returns how many blocks came free."""
+        freed = 0
+        while freed < blocks and seq.status is Status.RUNNING:
+            victim = choose_victim(self.running)
+            freed += self._preempt(victim)
+            step.preempted.append(victim)
+        return freed
 
     def _preempt(self, seq: Sequence) -> int:
         """Preemption by recompute: free everything now, redo the prefill of all its tokens later.
@@ -143,14 +163,14 @@ class Scheduler:
 def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
     """Move waiting sequences to running, in arrival order, while each fits: a free slot (max_num_seqs),
     tokens left in the step's budget, and `free` blocks (those not yet promised this step). A sequence
-    computes what its cached prefix does not hold, as much of it as the budget allows (a chunk; the
-    rest follows in the next steps). Each one admitted goes into step.prefills, its token count into
+    computes what its cached prefix does not hold, as much of it as the budget allows and at most
+    scheduler.long_prefill_token_threshold tokens (a chunk; the rest follows in the next steps). Each one admitted goes into step.prefills, its token count into
     step.chunks; the first that does not fit ends admission (FIFO)."""
     blocks = scheduler.blocks
     while scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs and budget > 0:
         seq = scheduler.waiting[0]
         cached = blocks.cached_tokens(seq.token_ids)      # a prefix-cache hit costs no budget
-        count = min(len(seq) - cached, budget)
+        count = min(len(seq) - cached, budget, scheduler.long_prefill_token_threshold)
         need = blocks.blocks_to_admit(seq.token_ids[:cached + count])
         if need > free:
             break                                      # the head waits for room, nobody overtakes it

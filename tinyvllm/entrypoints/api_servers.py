@@ -19,7 +19,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -29,7 +28,8 @@ from queue import Empty
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.engine_core import (READY_TIMEOUT_S, Attachment, engine_addresses, one_line,
                                          start_engine_process)
-from tinyvllm.entrypoints.server import Server, announce, cannot_listen, listen, url_of
+from tinyvllm.entrypoints.server import (Server, Terminated, announce, cannot_listen, listen, terminated,
+                                         url_of)
 from tinyvllm.errors import TinyVLLMError
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def serve_many(config: EngineConfig, count: int, model_name: str = "default", ho
                log_level: str = "info") -> None:
     """Run the engine core and `count` API servers on one port until Ctrl-C or until one of them stops."""
     from tinyvllm.formats.checkpoints import resolve_model
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # kill, systemd, docker: stop all, not just this one
+    signal.signal(signal.SIGTERM, terminated)   # kill, systemd, docker: stop all, not just this one
     sock = reserve_port(host, port)
     host, port = sock.getsockname()[:2]   # port 0: the free port the kernel picked, for every API server
     config = replace(config, model=str(resolve_model(config.model)))   # converted once, not by N processes
@@ -68,6 +68,7 @@ def serve_many(config: EngineConfig, count: int, model_name: str = "default", ho
                              args=(config, Attachment(k, pairs[k], engine.pid), host, port, model_name,
                                    max_queue, api_key, ui, log_level, ready))
                for k in range(count)]
+    got_sigterm = False
     try:
         for server in servers:
             server.start()
@@ -80,21 +81,29 @@ def serve_many(config: EngineConfig, count: int, model_name: str = "default", ho
         if failed:
             raise TinyVLLMError(f"{failed[0].name} stopped (exit code {failed[0].exitcode}); the server stops")
         # else an API server was told to stop (Ctrl-C reaches the whole process group): so do the others
+    except Terminated:
+        got_sigterm = True
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # stopping already: a second Ctrl-C must not cut it short
         stop(servers, engine)
         sock.close()
         shutil.rmtree(sockets_dir, ignore_errors=True)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+    if got_sigterm:   # everything is stopped and cleaned up: now die by the signal, as a supervisor expects
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """The port, bound but not listening (so the kernel sends it no connection), with SO_REUSEPORT: the API
-    servers' listening sockets join it, and nobody else can take it while we run."""
+    servers' listening sockets join it, and nobody else can take it while we run (another process must
+    set SO_REUSEPORT too, as the same user, to share it)."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise TinyVLLMError("--api-server-count above 1 needs SO_REUSEPORT (Linux, macOS); use 1 here")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    # as socket.create_server does: the last run's connections in TIME_WAIT (~60 s) do not hold the port
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

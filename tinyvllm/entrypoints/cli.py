@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from tinyvllm.engine.engine_config import LONG_PREFILL_SHARE, MAX_STEP_TOKENS
 from tinyvllm.errors import TinyVLLMError
 
 
@@ -41,13 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF model directory")
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--num-blocks", type=_positive_int, help="KV cache blocks of 16 tokens (default: from memory)")
+    engine.add_argument("--max-model-len", type=_positive_int, help="context window (default: the model's)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, buffers and the KV cache")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of prompt prefixes seen before (shared system prompts, n > 1)")
     engine.add_argument("--max-num-batched-tokens", type=_positive_int,
-                        help="a step's token budget; longer prompts are prefilled in chunks (default: 4096 on "
-                             "the CPU, 8192 on a GPU)")
+                        help="a step's token budget; longer prompts are prefilled in chunks (default: "
+                             f"{MAX_STEP_TOKENS['cuda']} on a GPU; on the CPU, from the model's size: 64 for "
+                             "SmolLM2-135M)")
+    engine.add_argument("--long-prefill-token-threshold", type=_positive_int,
+                        help="the most tokens of one prompt a step computes, so that short prompts start beside "
+                             "a long one (default: a share of the budget, "
+                             f"1/{LONG_PREFILL_SHARE['cpu']} on the CPU, 1/{LONG_PREFILL_SHARE['cuda']} on a GPU)")
     engine.add_argument("--batch-invariant", action="store_true",
                         help="a request's output never depends on what else is batched with it (slower: "
                              "kernels that sum in one fixed order)")
@@ -76,7 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
                            help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 listens on every interface")
     serve.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
-    serve.add_argument("--max-model-len", type=_positive_int, help="context window (default: the model's)")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=256, help="sequences decoded together")
     serve.add_argument("--max-queue", type=_positive_int, default=256,
                        help="requests allowed to wait for a slot; past it a request gets 429")
@@ -114,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_llm(args, **settings):
     from tinyvllm.entrypoints.llm import LLM
-    return LLM(args.model, device=args.device, num_blocks=args.num_blocks,
+    return LLM(args.model, device=args.device, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-               max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant, **settings)
+               max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant,
+               long_prefill_token_threshold=args.long_prefill_token_threshold, **settings)
 
 
 def cmd_generate(args) -> None:
@@ -188,7 +195,8 @@ def cmd_serve(args) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(args.model, args.device, args.max_model_len, args.num_blocks, args.gpu_memory_utilization,
                           args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching,
-                          batch_invariant=args.batch_invariant)
+                          batch_invariant=args.batch_invariant,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold)
     from tinyvllm.entrypoints.api_servers import default_api_server_count, serve_many
     from tinyvllm.model.backend import resolve_device
     count = args.api_server_count or default_api_server_count(resolve_device(args.device))

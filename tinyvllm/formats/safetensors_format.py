@@ -90,6 +90,9 @@ def parse_header(raw: bytes, file_size: int, path) -> tuple[dict[str, TensorInfo
         header = json.loads(raw[8:8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TinyVLLMError(f"{path}: header is not valid JSON ({e}); the file is corrupt") from None
+    except RecursionError:  # Python's parser recurses once per [ or {: thousands deep exhaust the stack
+        raise TinyVLLMError(f"{path}: header is JSON nested too deeply to be a tensor list; the file is "
+                            "corrupt") from None
     if not isinstance(header, dict):
         raise TinyVLLMError(f"{path}: header must be a JSON object, got {type(header).__name__}")
     metadata = header.pop("__metadata__", None) or {}

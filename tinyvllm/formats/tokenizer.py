@@ -20,7 +20,7 @@ import tiktoken
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.formats.config import is_token_id, read_json_object
+from tinyvllm.formats.config import is_token_id, load_config, optional_file, read_json_object
 
 # Meta's Llama 3 split regex: contractions, words, 1-3 digit groups, punctuation runs, whitespace.
 LLAMA3_PATTERN = (
@@ -84,8 +84,11 @@ class Tokenizer:
 
     def __init__(self, ranks: dict[bytes, int], special_tokens: dict[str, int], pattern: str, *,
                  bos_token: str | None = None, eos_token: str | None = None,
-                 chat_template: str | None = None, name: str = "tokenizer") -> None:
+                 chat_template: str | None = None, name: str = "tokenizer", model_vocab_size: int | None = None,
+                 source: str = "the tokenizer") -> None:
+        """model_vocab_size: the model's vocabulary, when known; source: the file defining the special tokens."""
         self.special_tokens = special_tokens
+        self.model_vocab_size, self.source = model_vocab_size, source
         self.bos_token, self.eos_token, self.chat_template = bos_token, eos_token, chat_template
         self.bos_token_id = special_tokens.get(bos_token)
         self.eos_token_id = special_tokens.get(eos_token)
@@ -135,6 +138,10 @@ class Tokenizer:
                                 "fix chat_template.jinja or chat_template in tokenizer_config.json") from None
         except jinja2.TemplateError as e:  # e.g. the template's raise_exception() refusing this conversation
             raise TinyVLLMError(f"the chat template failed: {e.message}") from None
+        except Exception as e:  # the template's own code: range() past the sandbox's MAX_RANGE, 1/0, "a" - 1, ...
+            detail = " ".join(str(e).split())[:200]  # one line, however the exception words it
+            raise TinyVLLMError(f"the chat template failed ({type(e).__name__}: {detail}); fix chat_template.jinja "
+                                "or chat_template in tokenizer_config.json") from e  # --debug: where it failed
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids for a conversation, where only the template can produce special tokens."""
@@ -147,7 +154,7 @@ class Tokenizer:
         for k in range(0, len(parts), 4):
             for piece in self._special_split.split(parts[k]):
                 if piece in self.special_tokens:
-                    ids += self.encode(text) + [self.special_tokens[piece]]
+                    ids += self.encode(text) + [self._template_token(piece)]
                     text = ""
                 else:
                     text += piece
@@ -156,6 +163,17 @@ class Tokenizer:
                 content = content if parts[k + 1] else content.lstrip()  # the template trimmed it
                 text += content if parts[k + 3] else content.rstrip()
         return ids + self.encode(text)
+
+    def _template_token(self, token: str) -> int:
+        """The id of a special token the template wrote. Not checked on loading, as a special token may lie
+        past the model's vocabulary while no prompt uses it: Llama 3.2's tokenizer.json lists the vision
+        model's <|image|> at 128256, and tests pair Llama 3's tokenizer with small random models."""
+        i = self.special_tokens[token]
+        if self.model_vocab_size is not None and i >= self.model_vocab_size:
+            raise TinyVLLMError(f"{self.source}: the chat template writes the special token {token!r}, whose id {i} "
+                                f"is past the model's vocabulary (config.json vocab_size {self.model_vocab_size}); "
+                                "re-download the tokenizer files")
+        return i
 
 
 class IncrementalDecoder:
@@ -195,14 +213,16 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise TinyVLLMError(f"tokenizer path {path} does not exist; pass a model directory or a "
                             "tokenizer.model, tokenizer.json or .gguf file")
     file = _find_tokenizer_file(path) if path.is_dir() else path
+    specials_file = file  # where the special tokens are defined, for error messages
     if file.suffix == ".gguf":
         files = tokenizer_files_from_gguf(file)
         hf_json, config = files["tokenizer.json"], files["tokenizer_config.json"]
     else:
         json_file = file if file.suffix == ".json" else file.parent / "tokenizer.json"
-        hf_json = _read_tokenizer_json(json_file) if json_file.is_file() else None
+        hf_json = _read_tokenizer_json(json_file) if optional_file(json_file) else None
+        specials_file = json_file if hf_json else file
         config_file = file.parent / "tokenizer_config.json"
-        config = _read_tokenizer_config(config_file) if config_file.is_file() else {}
+        config = _read_tokenizer_config(config_file) if optional_file(config_file) else {}
     if file.name == "tokenizer.model":
         ranks, pattern = _read_tiktoken_ranks(file), LLAMA3_PATTERN
         specials = _added_tokens(hf_json) if hf_json else _llama3_special_tokens(len(ranks))
@@ -214,13 +234,16 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
     if is_llama3 and not config:  # a bare tokenizer.model: Meta's defaults
         bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    # in a model directory, the model's vocabulary: the special tokens a chat prompt uses must lie inside it
+    model_vocab = load_config(file.parent).vocab_size if optional_file(file.parent / "config.json") else None
     return Tokenizer(ranks, specials, pattern, bos_token=bos, eos_token=eos, name=file.stem,
-                     chat_template=_find_chat_template(file.parent, config, is_llama3))
+                     chat_template=_find_chat_template(file.parent, config, is_llama3),
+                     model_vocab_size=model_vocab, source=str(specials_file))
 
 
 def _find_tokenizer_file(folder: Path) -> Path:
     for name in ("tokenizer.model", "tokenizer.json"):
-        if (folder / name).is_file():
+        if optional_file(folder / name):
             return folder / name
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) == 1:
@@ -241,11 +264,12 @@ def _read_tokenizer_json(file: Path) -> dict:
         raise TinyVLLMError(f"{file} is not a byte-level BPE tokenizer (Llama 3 / GPT-2 style), "
                             "the only kind tinyvllm supports")
     _check_vocab(model.get("vocab"), file)
+    _check_merges(model.get("merges", []), model["vocab"], file)
     added = hf_json.get("added_tokens", [])
     if not isinstance(added, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("content"), str) and is_token_id(t.get("id")) for t in added):
+            isinstance(t, dict) and isinstance(t.get("content"), str) and _is_rank(t.get("id")) for t in added):
         raise TinyVLLMError(f"{file}: added_tokens must be a list of {{\"id\": integer, \"content\": string}} "
-                            "objects; re-download it")
+                            "objects, ids from 0 to 2**32 - 1; re-download it")
     pre = hf_json.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else None
     if not isinstance(steps, list) or not all(isinstance(step, dict) for step in steps):
@@ -260,11 +284,34 @@ def _check_vocab(vocab: object, file: Path) -> None:
         raise TinyVLLMError(f"{file}: model.vocab must be a non-empty {{token: id}} object; re-download it")
     owner: dict[int, str] = {}
     for token, i in vocab.items():
-        if not is_token_id(i):
-            raise TinyVLLMError(f"{file}: model.vocab gives {token!r} the id {i!r}; ids are integers >= 0")
+        if not _is_rank(i):
+            raise TinyVLLMError(f"{file}: model.vocab gives {token!r} the id {i!r}; ids are integers from 0 "
+                                "to 2**32 - 1")
         if i in owner:
             raise TinyVLLMError(f"{file}: model.vocab gives the id {i} to both {owner[i]!r} and {token!r}")
         owner[i] = token
+
+
+def _is_rank(value: object) -> bool:
+    """A token id tiktoken can hold: its ranks are 32-bit, and a larger one raises OverflowError deep inside it."""
+    return is_token_id(value) and value < 2**32
+
+
+def _check_merges(merges: object, vocab: dict[str, int], file: Path) -> None:
+    """model.merges as HF's tokenizers checks it on loading: pairs of vocab tokens whose join is a token too.
+    tiktoken merges by id and never reads them, so without this check garbage merges would load silently."""
+    if not isinstance(merges, list):
+        raise TinyVLLMError(f"{file}: model.merges must be a list of merges, got {merges!r:.80}; re-download it")
+    for k, merge in enumerate(merges):  # plain checks only: Llama 3 has 280,000 merges
+        pair = merge.split(" ") if type(merge) is str else merge
+        if not (type(pair) is list and len(pair) == 2 and type(pair[0]) is str and type(pair[1]) is str):
+            raise TinyVLLMError(f"{file}: model.merges[{k}] is {merge!r:.60}; a merge is \"left right\" or "
+                                "[\"left\", \"right\"]; re-download it")
+        left, right = pair
+        if left not in vocab or right not in vocab or left + right not in vocab:
+            unknown = next(t for t in (left, right, left + right) if t not in vocab)
+            raise TinyVLLMError(f"{file}: model.merges[{k}] {merge!r:.60} makes or uses {unknown!r:.40}, which "
+                                "is not in model.vocab; re-download it")
 
 
 def _read_tokenizer_config(file: Path) -> dict:
@@ -369,7 +416,7 @@ def _token_text(token: str | dict | None) -> str | None:
 
 def _find_chat_template(folder: Path, config: dict, is_llama3: bool) -> str | None:
     jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
+    if optional_file(jinja):
         try:
             return jinja.read_text(encoding="utf-8")
         except UnicodeDecodeError:

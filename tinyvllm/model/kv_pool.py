@@ -16,6 +16,10 @@ sequence's slots are found again:
 """
 from __future__ import annotations
 
+import math
+import os
+from pathlib import Path
+
 import numpy as np
 
 from tinyvllm.errors import TinyVLLMError
@@ -33,9 +37,11 @@ def blocks_for(num_tokens: int) -> int:
 class KVPool:
     """K and V of every layer: (layers, num_slots, kv_heads, head_dim) each, on the model's device."""
 
-    def __init__(self, cfg: LlamaConfig, ops, num_slots: int):
+    def __init__(self, cfg: LlamaConfig, ops, num_slots: int, what: str, fix: str):
+        """what names the pool and fix the setting that shrinks it, for the error when it cannot fit."""
         self.ops = ops
         shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, cfg.head_dim)
+        check_memory(2 * math.prod(shape) * np.dtype(ops.DTYPE).itemsize, ops, what, fix)
         self.k, self.v = ops.xp.zeros(shape, ops.DTYPE), ops.xp.zeros(shape, ops.DTYPE)
 
     @property
@@ -48,7 +54,8 @@ class ContiguousKVCache(KVPool):
     attention = "decode_attention"  # the backend op that reads this layout (chapter 6's reads blocks)
 
     def __init__(self, cfg: LlamaConfig, ops, num_seqs: int, max_len: int):
-        super().__init__(cfg, ops, num_seqs * max_len)
+        super().__init__(cfg, ops, num_seqs * max_len, f"a KV cache of {num_seqs} sequences x {max_len} tokens",
+                         "ask for fewer sequences or a shorter max_len")
         self.num_seqs, self.max_len = num_seqs, max_len
         self.lengths = {seq: 0 for seq in range(num_seqs)}  # tokens cached so far, per sequence
 
@@ -100,7 +107,8 @@ class PagedKVPool(KVPool):
     def __init__(self, cfg: LlamaConfig, ops, num_blocks: int):
         if num_blocks < 1:
             raise TinyVLLMError(f"the KV cache pool needs at least one block, got {num_blocks}")
-        super().__init__(cfg, ops, (num_blocks + 1) * BLOCK_SIZE)
+        super().__init__(cfg, ops, (num_blocks + 1) * BLOCK_SIZE, f"a KV cache pool of {num_blocks} blocks",
+                         "lower --num-blocks (num_blocks), or leave it out to size the pool from memory")
         self.num_blocks, self.scratch_block = num_blocks, num_blocks
 
     chunk_attention = "chunk_attention"  # a prompt after cached tokens (or earlier chunks): through its table
@@ -129,15 +137,53 @@ def pool_blocks(cfg: LlamaConfig, ops, gpu_memory_utilization: float = 0.9,
     if ops.xp.__name__ == "cupy":
         if not 0 < gpu_memory_utilization <= 1:
             raise TinyVLLMError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        free, total = ops.xp.cuda.runtime.memGetInfo()
-        # CuPy keeps the memory of freed arrays (an LLM deleted earlier in this process) cached in its pool:
-        # the device counts it as used, but the arrays allocated next reuse it, so here it counts as free
-        free += ops.xp.get_default_memory_pool().free_bytes()
+        free, total = gpu_memory(ops)
         budget = gpu_memory_utilization * total - (total - free)
-    else:
-        budget = cpu_bytes
+    else:  # a fixed size, but never more than the host can give (less one block: the pool's scratch block)
+        budget = min(cpu_bytes, host_memory_available() - per_block)
     blocks = int(budget // per_block)
     if blocks < 1:
+        fix = "raise gpu_memory_utilization or give num_blocks" if ops.xp.__name__ == "cupy" else "free some memory"
         raise TinyVLLMError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB for blocks of "
-                            f"{per_block / 2**20:.2f} MiB); raise gpu_memory_utilization or give num_blocks")
+                            f"{per_block / 2**20:.2f} MiB); {fix}")
     return blocks
+
+
+def gpu_memory(ops) -> tuple[int, int]:
+    """(free, total) bytes of the GPU, where memory CuPy holds for reuse counts as free: it keeps the memory
+    of freed arrays (an LLM deleted earlier in this process) cached in its pool, and the device counts it
+    as used, but the arrays allocated next reuse it."""
+    free, total = ops.xp.cuda.runtime.memGetInfo()
+    return free + ops.xp.get_default_memory_pool().free_bytes(), total
+
+
+def host_memory_available() -> int:
+    """Bytes of RAM the kernel can still hand out: Linux's MemAvailable (free memory and the page cache it
+    can drop) plus free swap; where there is no /proc/meminfo (macOS), all of the physical memory."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        kib = {name: int(value.split()[0]) for name, value in (line.split(":", 1) for line in lines)}
+        return (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(needed: int, ops, what: str, fix: str) -> None:
+    """Refuse, before allocating, what this backend's memory cannot hold: a PiB-sized array would otherwise
+    fail deep inside NumPy or CuPy, or be granted lazily and get the process killed when it fills up."""
+    if ops.xp.__name__ == "cupy":
+        available, where = gpu_memory(ops)[0], "GPU memory is free"
+    else:
+        available, where = host_memory_available(), "host memory is available"
+    if needed > available:
+        raise TinyVLLMError(f"{what} needs {human_bytes(needed)}, but only {human_bytes(available)} of {where}; "
+                            f"{fix}")
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> "1.5 KiB": binary units up to EiB."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    k = 0
+    while k < len(units) - 1 and n >= 1024 ** (k + 1):
+        k += 1
+    return f"{n} B" if k == 0 else f"{n / 1024 ** k:.1f} {units[k]}"

@@ -23,7 +23,7 @@ from tinyvllm.formats.config import LlamaConfig, load_config, rope_inv_freq
 from tinyvllm.model import buffers
 from tinyvllm.model.backend import load_backend
 from tinyvllm.model.batch_invariant import BatchInvariantOps
-from tinyvllm.model.weights import open_checkpoint
+from tinyvllm.model.weights import check_model_fits, open_checkpoint
 
 
 def plan_engine_weights(cfg: LlamaConfig, dtype: str):
@@ -85,9 +85,12 @@ class Model:
         self.max_step_tokens = max_step_tokens  # rows of every step buffer: the tokens of a step, all sequences'
         dtype = "bf16" if self.device == "cuda" else "f32"
         self.weight_regions = plan_engine_weights(cfg, dtype)
+        self.buffer_regions = buffers.plan_buffers(cfg, self.max_step_tokens, dtype)
+        tensors = open_checkpoint(model_dir, cfg)  # the files match config.json before its sizes are trusted
+        check_model_fits(ops, cfg, self.weight_regions, self.buffer_regions, self.max_model_len)
         self.weights = buffers.carve(ops.blob(buffers.blob_size(self.weight_regions)),
                                     self.weight_regions)
-        self._fill_weights(open_checkpoint(model_dir, cfg))
+        self._fill_weights(tensors)
         w = self.weights
         self.embed, self.final_norm = w["embed"], w["final_norm"]
         self.lm_head = w.get("lm_head", w["embed"])  # tied: the embedding matrix is the output head
@@ -95,7 +98,6 @@ class Model:
                                                        "down"))) for i in range(cfg.num_hidden_layers)]
         cos, sin = rope_tables(cfg, self.max_model_len)
         self.cos, self.sin = ops.to_device(cos), ops.to_device(sin)
-        self.buffer_regions = buffers.plan_buffers(cfg, self.max_step_tokens, dtype)
         self.buffers = buffers.carve(ops.blob(buffers.blob_size(self.buffer_regions)),
                                     self.buffer_regions)
 

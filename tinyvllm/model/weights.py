@@ -19,6 +19,7 @@ from tinyvllm.formats import bf16, safetensors_format
 from tinyvllm.formats.config import LlamaConfig, expected_tensor_shapes
 from tinyvllm.model import buffers
 from tinyvllm.model.buffers import Region, aligned_empty, blob_size, carve
+from tinyvllm.model.kv_pool import check_memory, human_bytes
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 CHUNK = 1 << 20  # elements widened at a time: small temporaries are reused, a 200 MB one costs page faults
@@ -118,3 +119,17 @@ def copy_widened(dst: np.ndarray, src: np.ndarray) -> None:
     dst, src = dst.reshape(-1), src.reshape(-1)
     for i in range(0, src.size, CHUNK):
         dst[i:i + CHUNK] = to_float32(src[i:i + CHUNK])
+
+
+def check_model_fits(ops, cfg: LlamaConfig, weights: list[Region], step_buffers: list[Region],
+                     max_model_len: int) -> None:
+    """Refuse a model this backend's memory cannot hold, before allocating any of it, naming the setting
+    that shrinks its largest part: an absurd max_position_embeddings makes RoPE tables of petabytes."""
+    parts = {"weights": blob_size(weights), "step buffers": blob_size(step_buffers),
+             "RoPE tables": 2 * max_model_len * (cfg.head_dim // 2) * 4}  # cos and sin, float32
+    fixes = {"weights": "use a smaller model, or a machine with more memory",
+             "step buffers": "lower --max-num-batched-tokens",
+             "RoPE tables": f"lower --max-model-len (config.json's max_position_embeddings is "
+                            f"{cfg.max_position_embeddings})"}
+    what = "the model (" + ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items()) + ")"
+    check_memory(sum(parts.values()), ops, what, fixes[max(parts, key=parts.get)])
