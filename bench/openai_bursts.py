@@ -2,7 +2,11 @@
 
 Each burst sends --requests chat requests ("Tell me a long story about a robot named R{i}, ...") with at most
 --in-flight at once, through a NEW AsyncOpenAI client (max_retries=0) that is never closed, so each burst finds
-the last one's connections still open. --pattern says which bursts stream (with include_usage) and which do not;
+the last one's connections still open. The clients stay referenced: with --drop-clients each is garbage once
+its burst is done, as a client made per task is, and the openai package's __del__ then closes it in a task of
+the running loop; some requests of the next client then never complete although the server answered them all
+(its access log shows each within seconds) — a fault of the client process, which keeping the client or
+`await client.close()` avoids. --pattern says which bursts stream (with include_usage) and which do not;
 --leave-streams makes every stream stop reading at its finish chunk without closing (the usage chunk and
 [DONE] unread: output tokens are then the chunks that carried text, input tokens are not counted). Prints and
 writes per burst: completed, failed (with the errors), seconds, and bench/serving.py's figures (throughputs,
@@ -60,10 +64,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=45)
     p.add_argument("--leave-streams", action="store_true")
+    p.add_argument("--drop-clients", action="store_true",
+                   help="let each burst's client be garbage-collected unclosed (a client made per task): the openai "
+                        "package then closes it in a task, and the next client loses requests (client-side)")
     p.add_argument("--out")
     args = p.parse_args()
     model = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key).models.list().data[0].id
-    spec = ClientSpec("openai", args.url, ROUTES["chat"], args.timeout, args.leave_streams, args.api_key)
+    spec = ClientSpec("openai", args.url, ROUTES["chat"], args.timeout, args.leave_streams, args.api_key,
+                      args.drop_clients)
 
     async def run() -> list[dict]:   # one event loop for every burst: the earlier clients stay alive, as in a script
         return [await burst(args, spec, model, kind == "stream") for kind in args.pattern.split(",")]

@@ -161,6 +161,7 @@ class ClientSpec(NamedTuple):
     timeout: float = REQUEST_TIMEOUT_S
     leave_streams: bool = False   # openai: stop reading a stream at its finish chunk and never close it
     api_key: str = "none"    # openai: the client needs one; a server started without --api-key takes any
+    drop_clients: bool = False   # openai: let each burst's client go (garbage) instead of keeping it referenced
 
 
 class ClientPool:
@@ -241,6 +242,9 @@ async def send_all(spec: ClientSpec, jobs: list[Job], concurrency: int) -> list[
         return await asyncio.gather(*map(one, jobs))
 
 
+KEPT_CLIENTS: list = []   # every burst's openai client, referenced for the life of the process
+
+
 @asynccontextmanager
 async def burst_sender(spec: ClientSpec, concurrency: int):
     """A burst's client, as a function of (body, record) -> usage."""
@@ -249,6 +253,8 @@ async def burst_sender(spec: ClientSpec, concurrency: int):
         # a user's script: the defaults but no retries (a retry would hide a lost request), and never closed
         client = openai.AsyncOpenAI(base_url=f"{spec.url}/v1", api_key=spec.api_key, max_retries=0,
                                     timeout=spec.timeout)
+        if not spec.drop_clients:   # dropped, the package's __del__ closes it in a task of this loop, and
+            KEPT_CLIENTS.append(client)   # requests of the live client then wait for answers that never come
         yield lambda body, r: openai_request(client, body, r, spec.leave_streams)
         return
     # httpx keeps at most 100 connections by default: a larger share would queue inside the client

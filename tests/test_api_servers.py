@@ -29,11 +29,13 @@ PROMPTS = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(24)
 GREEDY = dict(temperature=0, max_tokens=8)
 
 
-def start_serve(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    """The CLI in its own process group; returns it and the URL it announced (or fails with its log)."""
+def start_serve(model: str, *extra: str, sigint_ignored: bool = False) -> tuple[subprocess.Popen, str]:
+    """The CLI in its own process group; returns it and the URL it announced (or fails with its log).
+    sigint_ignored: started as a shell script's background job is (`serve ... &`), SIGINT ignored."""
     command = [sys.executable, "-m", "tinyvllm", "serve", "--model", model, "--device", "cpu", "--port", "0",
                "--max-model-len", str(MAX_MODEL_LEN), "--num-blocks", str(NUM_BLOCKS), "--no-ui", *extra]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=ignore)
     lines = []
     for line in proc.stderr:
         lines.append(line)
@@ -223,3 +225,17 @@ def test_health_notices_an_engine_that_stops_reporting(tiny_model_dir):
         assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, 10)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("count", ["1", "2"], ids=["one API server", "two API servers"])
+def test_kill_int_stops_serve_started_as_a_background_job(tiny_model_dir, count):
+    """`serve ... &` in a script starts with SIGINT ignored; the script's `kill -INT` (to the server's pid, not
+    its group) must still stop every process, as Ctrl-C does."""
+    proc, url = start_serve(str(tiny_model_dir), "--api-server-count", count, sigint_ignored=True)
+    try:
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(30)
+        assert wait_for(lambda: group_gone(proc.pid), 15), "every process of the group must stop"
+    finally:
+        if not group_gone(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -87,8 +87,12 @@ async def aenumerate(stream):
         n += 1
 
 
+KEPT: list[openai.AsyncOpenAI] = []   # never closed, but referenced: see the test of dropped clients below
+
+
 async def burst(url: str, model: str, number: int) -> list[str]:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)  # never closed
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
+    KEPT.append(client)
     gate = asyncio.Semaphore(IN_FLIGHT)
 
     async def limited(i):
@@ -116,3 +120,39 @@ def test_bursts_of_the_official_client_lose_nothing(server):
     aborted = sum(float(line.split()[-1]) for line in httpx.get(f"{server.url}/metrics").text.splitlines()
                   if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line)
     assert aborted >= BURSTS * REQUESTS // 8, f"{aborted} aborts: the streams left after two chunks were not aborted"
+
+
+def test_requests_that_a_dropped_client_loses_were_all_answered(server):
+    """A client made per task and dropped unclosed is garbage once its burst ends; the openai package's __del__
+    then closes it in a task of the running loop, and some requests of the next, live client wait for answers
+    that never reach them (measured: 68 of 1,536 on 2 CPU cores; 0 of 1,536 with the clients kept). The server
+    is not where they are lost: it answers every request of such bursts, each within seconds, which its
+    /metrics shows; a client that keeps its client (or closes it) gets every answer."""
+    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    before = read_metric(server, "vllm:request_success_total")
+    requests, bursts = 64, 3
+
+    async def dropped_client_burst(number: int) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=20)
+        gate = asyncio.Semaphore(32)
+
+        async def ask(i: int) -> str:
+            async with gate:
+                try:
+                    reply = await client.chat.completions.create(model=model, max_tokens=8, stream=number % 2 == 0,
+                                                                 messages=[{"role": "user", "content": f"R{i}"}])
+                    if number % 2 == 0:
+                        async for _ in reply:   # read to the end, as a script printing the stream does
+                            pass
+                    return "ok"
+                except Exception as e:   # noqa: BLE001 - a lost request is counted, not raised
+                    return type(e).__name__
+        return await asyncio.gather(*(ask(i) for i in range(requests)))
+
+    async def main():
+        return [await dropped_client_burst(b) for b in range(bursts)]   # each client dropped after its burst
+    outcomes = [o for burst_outcomes in asyncio.run(main()) for o in burst_outcomes]
+    wait_until(lambda: read_metric(server, "vllm:request_success_total") - before >= requests * bursts, 30)
+    answered = read_metric(server, "vllm:request_success_total") - before
+    assert answered == requests * bursts, (f"the server finished {answered} of {requests * bursts} requests "
+                                           f"(the clients saw {outcomes.count('ok')} answers)")

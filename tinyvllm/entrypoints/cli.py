@@ -189,6 +189,10 @@ def cmd_chat(args) -> None:
 
 def cmd_serve(args) -> None:
     import logging
+    import signal
+    # Ctrl-C stops it, and so does `kill -INT` from a script, whose background jobs (`serve ... &`) start
+    # with SIGINT ignored: Python would keep ignoring it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     from tinyvllm.engine.engine_config import EngineConfig
     from tinyvllm.entrypoints.server import Server, announce
