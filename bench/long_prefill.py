@@ -1,15 +1,17 @@
 """Does a long prompt make others wait? A short request's time to first token beside a long prompt.
 
-    python bench/long_prefill.py [--device cpu|cuda] [--model DIR] [--long 4000] [--rounds 5] [-- SERVE FLAGS]
+    python bench/long_prefill.py [--device cpu|cuda] [--model DIR] [--long 4000] [--gap 1.0] [--rounds 5]
+        [-- SERVE FLAGS]
 
 Starts `tinyvllm serve` with its default flags (the path users run; flags after `--` are passed on), then
-per round: a short request alone (its TTFT), then a decoding request, a long prompt 1 s later, and the
-short request again 1 s after that. A step computes at most long_prefill_token_threshold tokens of one
-prompt, so the short one is admitted in the step after it arrives instead of waiting for the whole
-prefill. Reported per round and as median and spread: the short TTFT alone and beside, their ratio
-(target <= 2), the long prompt's TTFT, and the decoding request's inter-token gaps (median and longest:
-target longest <= 2x median). Also the server's step time against its chunk size, from a few prompts
-alone: what sizes the device's defaults. Writes bench/results/long_prefill-<device>-<time>.json.
+per round: a short request alone (its TTFT), then a decoding request, a long prompt --gap seconds later
+(default 1 s; on a GPU, less than the long prefill takes), and the short request again --gap after that.
+A step computes at most long_prefill_token_threshold tokens of one prompt, so the short one is admitted in
+the step after it arrives instead of waiting for the whole prefill. Reported per round and as median and
+spread: the short TTFT alone and beside, their ratio (target <= 2), the long prompt's TTFT, and the decoding
+request's inter-token gaps (median and longest: target longest <= 2x median). Also the server's step time
+against its chunk size, from a few prompts alone: what sizes the device's defaults.
+Writes bench/results/long_prefill-<device>-<time>.json.
 """
 from __future__ import annotations
 
@@ -51,16 +53,16 @@ def in_thread(results: dict, key: str, *args) -> threading.Thread:
     return thread
 
 
-def one_round(url: str, rng: np.random.Generator, vocab: int, long: int, decode_tokens: int) -> dict:
+def one_round(url: str, rng: np.random.Generator, vocab: int, long: int, decode_tokens: int, gap: float) -> dict:
     """Fresh random prompts each round: nothing is a prefix-cache hit."""
     def prompt(n: int) -> list[int]:
         return rng.integers(100, vocab, n).tolist()
     alone, _ = stream_times(url, prompt(SHORT), 1)
     results: dict = {}
     decoding = in_thread(results, "decoding", url, prompt(SHORT), decode_tokens)
-    time.sleep(1.0)
+    time.sleep(gap)
     long_one = in_thread(results, "long", url, prompt(long), 1)
-    time.sleep(1.0)
+    time.sleep(gap)
     beside, _ = stream_times(url, prompt(SHORT), 1)
     long_one.join()
     decoding.join()
@@ -87,6 +89,8 @@ def main() -> None:
     parser.add_argument("--model", default="default", help="'default' or a model directory")
     parser.add_argument("--long", type=int, default=4000, help="tokens of the long prompt")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--gap", type=float, default=1.0,
+                        help="seconds between the arrivals (shorter than the long prompt's prefill)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the JSON here instead of bench/results/")
     parser.add_argument("serve_flags", nargs="*", help="after --: flags for `tinyvllm serve` (default: none)")
@@ -107,10 +111,11 @@ def main() -> None:
             steps = step_times(url, rng, vocab, [1, 16, 64, 256])
             rounds = []
             for i in range(args.rounds):
-                rounds.append(one_round(url, rng, vocab, args.long, decode_tokens))
+                rounds.append(one_round(url, rng, vocab, args.long, decode_tokens, args.gap))
                 r = rounds[-1]
                 print(f"round {i + 1}: short TTFT alone {r['short_ttft_alone_s']:.3f} s, beside a {args.long}-token "
-                      f"prompt {r['short_ttft_beside_s']:.3f} s ({r['ratio']:.2f}x); long TTFT {r['long_ttft_s']:.2f} s; "
+                      f"prompt {r['short_ttft_beside_s']:.3f} s ({r['ratio']:.2f}x); "
+                      f"long TTFT {r['long_ttft_s']:.2f} s; "
                       f"decode gap median {r['decode_gap_median_s']:.3f} s, longest {r['decode_gap_max_s']:.3f} s "
                       f"({r['decode_gap_ratio']:.2f}x)", flush=True)
         finally:
@@ -118,7 +123,7 @@ def main() -> None:
     for size, seconds in steps.items():
         print(f"a {size}-token prompt alone: first token in {seconds:.3f} s")
     result = {"benchmark": "long_prefill", "device": args.device, "model": args.model, "serve_command": command,
-              "long_prompt": args.long, "short_prompt": SHORT, "seed": args.seed,
+              "long_prompt": args.long, "short_prompt": SHORT, "gap_s": args.gap, "seed": args.seed,
               "cpu_cores": os.cpu_count(),
               "ttft_of_a_prompt_alone_s": steps, "rounds": rounds, "summary": summary(rounds)}
     if args.device == "cuda":
