@@ -547,3 +547,25 @@ def test_an_event_whose_text_holds_a_line_separator_stays_one_line():
     text = "a\u2028b\u2029c\x85d é \\u2028"
     lines = LineDecoder().decode(event({"choices": [{"text": text}]}))
     assert len(lines) == 2 and lines[1] == "" and json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == text
+
+
+@pytest.mark.parametrize("template", ["{{ 1 / 0 }}", "{{ raise_exception('roles must alternate') }}",
+                                      "{% for i in range(10**9) %}{% endfor %}"],
+                         ids=["a bug in the template", "the template refuses", "past the sandbox's range"])
+def test_a_chat_template_that_fails_is_a_400_not_a_500(tiny_model_dir, tmp_path, template):
+    """Whatever a model's chat template raises on a conversation, the client gets one line and a 400 naming
+    `messages`, and the server goes on."""
+    import shutil
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    (model / "chat_template.jinja").write_text(template)
+    server = Server(EngineConfig(str(model), "cpu", num_blocks=64, max_model_len=256), port=0,
+                    log_level="warning", ui=False).start()
+    try:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "chat template" in r.json()["error"]["message"] and "\n" not in r.json()["error"]["message"]
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        server.stop()

@@ -358,7 +358,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions", responses=api.ERROR_RESPONSES,
               dependencies=[Depends(json_only)])
     async def chat_completions(body: api.ChatRequest, request: Request):
-        prompt = tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
+        try:   # the template may refuse the conversation (raise_exception), or fail on it: one line, 400
+            prompt = tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
+        except TinyVLLMError as e:
+            raise ApiError(400, str(e), param="messages") from None
         return await generate(request, body, [prompt], body.reply_tokens, body.engine_logprobs, chat=True)
 
     async def generate(request: Request, body, prompts: list[list[int]], max_tokens: int | None,
