@@ -114,3 +114,27 @@ def test_k_larger_than_the_vocabulary_reports_every_token():
     top, values, chosen, ranks = raw_logprobs(logits, [1], k=20)
     entry = logprob_entries(1, chosen[0], ranks[0], top[0], values[0], 20, str)
     assert list(entry) == [1, 2, 0] and [e.rank for e in entry.values()] == [3, 1, 2]
+
+
+def test_logprobs_give_the_bytes_of_a_token_that_splits_a_character(tiny_llama_dir):
+    """Llama 3's tokenizer writes a rare character ("🦙", 4 bytes) as several tokens: each token's `bytes`
+    must be its own bytes (its text alone is a replacement character), and text_offset must count the
+    characters before it, not the replacement characters."""
+    from tinyvllm.engine.sampling import Logprob
+    from tinyvllm.entrypoints import openai_protocol as api
+    from tinyvllm.formats.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    text = "a🦙 龘b"
+    ids = tokenizer.encode(text)
+    pieces = [tokenizer.decode_bytes([i]) for i in ids]
+    assert any(len(p) and p.decode("utf-8", errors="replace") != p.decode("utf-8", errors="ignore")
+               for p in pieces), f"no token splits a character here: {pieces}"
+    entries = [{i: Logprob(-1.0, 1, tokenizer.decode([i]))} for i in ids]
+    chat = api.chat_logprobs(ids, entries, 1, tokenizer)["content"]
+    assert [bytes(c["bytes"]) for c in chat] == pieces and b"".join(bytes(c["bytes"]) for c in chat) == text.encode()
+    offsets = api.completion_logprobs(ids, entries, 0, tokenizer)["text_offset"]
+    expected, before = [], b""
+    for piece in pieces:   # the characters wholly before each token
+        expected.append(len(before.decode("utf-8", errors="ignore")))
+        before += piece
+    assert offsets == expected and offsets[-1] == text.index("b")

@@ -213,29 +213,31 @@ def response(request_id: str, object_: str, model: str, choices: list[dict], use
     return out
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict], offset: int) -> dict:
+def completion_logprobs(token_ids: list[int], entries: list[dict], offset: int, tokenizer) -> dict:
     """The completions API's (legacy) logprobs: parallel lists, one item per generated token.
-    `entries` are the engine's {token id: Logprob} dicts: the sampled token and the top k."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    `entries` are the engine's {token id: Logprob} dicts: the sampled token and the top k. text_offset: where
+    each token's text starts in the completion, counted in characters of the text before it (a token that
+    holds part of a character starts where that character does)."""
+    tokens, token_logprobs, top, offsets, before = [], [], [], [], b""
     for token, entry in zip(token_ids, entries):
         sampled = entry[token]
         tokens.append(sampled.decoded_token)
         token_logprobs.append(sampled.logprob)
         top.append({lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)})
-        offsets.append(offset)
-        offset += len(sampled.decoded_token)
+        offsets.append(offset + len(before.decode("utf-8", errors="ignore")))   # a split character: not yet
+        before += tokenizer.decode_bytes([token])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict], top_k: int) -> dict:
-    """The chat API's logprobs: per generated token, its logprob and the top_k most likely tokens."""
-    def item(lp) -> dict:
-        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+def chat_logprobs(token_ids: list[int], entries: list[dict], top_k: int, tokenizer) -> dict:
+    """The chat API's logprobs: per generated token, its logprob and the top_k most likely tokens. `bytes`
+    are the token's own bytes, which for a token holding part of a UTF-8 character its text cannot give."""
+    def item(token: int, lp) -> dict:
+        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(tokenizer.decode_bytes([token]))}
     content = []
     for token, entry in zip(token_ids, entries):
-        sampled = entry[token]
-        best = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
-        content.append({**item(sampled), "top_logprobs": [item(lp) for lp in best]})
+        best = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top_k), key=lambda pair: pair[1].rank)
+        content.append({**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in best]})
     return {"content": content}
 
 

@@ -445,6 +445,7 @@ class Reply:
     """Builds one HTTP request's response from its choices: whole (JSON) or as server-sent events."""
     def __init__(self, request_id: str, model: str, chat: bool, body, choices: list[Choice], tokenizer: Tokenizer):
         self.request_id, self.model, self.chat, self.body, self.choices = request_id, model, chat, body, choices
+        self.tokenizer = tokenizer
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"   # OpenAI's names
         self.created = int(time.time())   # one time for every chunk of a response, as OpenAI's
@@ -461,8 +462,8 @@ class Reply:
         if entries is None:
             return None
         if self.chat:
-            return api.chat_logprobs(ids, entries, self.top_k)
-        out = api.completion_logprobs(ids, entries, self.offsets[choice.index])
+            return api.chat_logprobs(ids, entries, self.top_k, self.tokenizer)
+        out = api.completion_logprobs(ids, entries, self.offsets[choice.index], self.tokenizer)
         self.offsets[choice.index] += len(text)
         return out
 
