@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def run(model_dir: str, device: str, decoders: int, long: int, budget: int, seed: int = 0) -> dict:
     from tinyvllm import LLM, SamplingParams
     llm = LLM(model_dir, device=device, max_model_len=long + 1024, max_num_batched_tokens=budget,
-              long_prefill_token_threshold=budget, enable_prefix_caching=False, max_num_seqs=decoders + 1, gpu_memory_utilization=0.8)
+              long_prefill_token_threshold=budget, enable_prefix_caching=False, max_num_seqs=decoders + 1,
+              gpu_memory_utilization=0.8)   # the budget alone sets the chunk: no long-prefill cap
     engine, rng = llm.engine, np.random.default_rng(seed)
     vocab = llm.model_config.vocab_size
     llm.generate([rng.integers(0, vocab, 64).tolist()] * 2, SamplingParams(temperature=0, max_tokens=4))  # warm up

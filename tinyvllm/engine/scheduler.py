@@ -164,8 +164,9 @@ def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
     """Move waiting sequences to running, in arrival order, while each fits: a free slot (max_num_seqs),
     tokens left in the step's budget, and `free` blocks (those not yet promised this step). A sequence
     computes what its cached prefix does not hold, as much of it as the budget allows and at most
-    scheduler.long_prefill_token_threshold tokens (a chunk; the rest follows in the next steps). Each one admitted goes into step.prefills, its token count into
-    step.chunks; the first that does not fit ends admission (FIFO)."""
+    scheduler.long_prefill_token_threshold tokens (a chunk; the rest follows in the next steps). Each one
+    admitted goes into step.prefills, its token count into step.chunks; the first that does not fit ends
+    admission (FIFO)."""
     blocks = scheduler.blocks
     while scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs and budget > 0:
         seq = scheduler.waiting[0]
