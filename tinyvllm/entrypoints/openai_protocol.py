@@ -9,6 +9,8 @@ errors).
 """
 from __future__ import annotations
 
+import codecs
+
 import time
 import uuid
 from typing import Annotated, Literal
@@ -218,14 +220,15 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], offset: int, 
     `entries` are the engine's {token id: Logprob} dicts: the sampled token and the top k. text_offset: where
     each token's text starts in the completion, counted in characters of the text before it (a token that
     holds part of a character starts where that character does)."""
-    tokens, token_logprobs, top, offsets, before = [], [], [], [], b""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")   # holds a split character's first bytes
     for token, entry in zip(token_ids, entries):
         sampled = entry[token]
         tokens.append(sampled.decoded_token)
         token_logprobs.append(sampled.logprob)
         top.append({lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)})
-        offsets.append(offset + len(before.decode("utf-8", errors="ignore")))   # a split character: not yet
-        before += tokenizer.decode_bytes([token])
+        offsets.append(offset)
+        offset += len(utf8.decode(tokenizer.decode_bytes([token])))   # whole characters only
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
