@@ -112,6 +112,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+READY_GRACE_S = 5   # after the engine exits, how long its last word may take to arrive
+
+
 def wait_ready(ready, servers: list, engine) -> dict:
     """Every API server's word that it reached the engine (the engine's info), or the first one's failure."""
     deadline, info = time.monotonic() + READY_TIMEOUT_S, None
@@ -122,8 +125,12 @@ def wait_ready(ready, servers: list, engine) -> dict:
                 break
             except Empty:
                 if engine.poll() is not None or time.monotonic() > deadline:
-                    raise TinyVLLMError("the engine process stopped while loading the model; run with --debug "
-                                        "to see why") from None
+                    try:   # why it stopped comes through the API servers, perhaps a moment after it exits
+                        index, info, error, user_mistake = ready.get(timeout=READY_GRACE_S)
+                        break
+                    except Empty:
+                        raise TinyVLLMError("the engine process stopped while loading the model; run with "
+                                            "--debug to see why") from None
                 if not all(server.is_alive() for server in servers):
                     raise TinyVLLMError("an API-server process stopped while starting") from None
         if error is not None:
