@@ -233,11 +233,20 @@ def test_synth_refuses_an_out_it_cannot_create_and_writes_nothing(tmp_path, out,
     assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "a-file").read_text() == "kept"
 
 
-def test_a_config_nested_100000_deep_in_a_real_process(synth_dir, tmp_path):
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_a_json_file_nested_100000_deep_in_a_real_process(synth_dir, tmp_path, name):
     """The JSON parser's recursion limit, hit in a fresh interpreter with its default stack."""
     model = copy_of(synth_dir, tmp_path)
-    (model / "config.json").write_text("[" * 100_000 + "]" * 100_000)
-    assert_user_error(tinyvllm("info", "--model", str(model), check=False), "config.json", "nested too deeply")
+    (model / name).write_text("[" * 100_000 + "]" * 100_000)
+    assert_user_error(tinyvllm("info", "--model", str(model), check=False), name, "nested too deeply")
+
+
+@pytest.mark.parametrize("index", ['{"weight_map": [1, 2]}', '{"weight_map": {"a": 3}}', '{}'])
+def test_a_safetensors_index_without_a_weight_map_is_one_line(synth_dir, tmp_path, index):
+    model = copy_of(synth_dir, tmp_path)
+    (model / "model.safetensors.index.json").write_text(index)
+    assert_user_error(tinyvllm("info", "--model", str(model), check=False), "model.safetensors.index.json",
+                      "weight_map")
 
 
 @pytest.mark.parametrize("where", ["before", "after"])

@@ -21,6 +21,7 @@ import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from starlette.responses import Response
@@ -234,6 +235,9 @@ BAD = [
     ({"prompt": "hi", "unknown_field": 1}, 400, "unknown_field"),
     ({}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),                                                        # no token to start from
+    ({"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "2"}, 400, "max_tokens"),
     ({"prompt": "hello " * 600}, 400, "prompt"),                                            # past the window
     ({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
     ({"prompt": [10 ** 9]}, 400, "prompt"),                                                 # outside the vocabulary
@@ -272,6 +276,28 @@ def test_fields_the_engine_once_choked_on(server, client):
         got = client.completions.create(model="default", prompt="Hi", max_tokens=2, seed=seed)
         assert got.usage.completion_tokens == 2
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_whole_number_written_with_a_point_is_a_number(client):
+    """JSON (and JSON Schema's "integer") do not tell 2.0 from 2: the server takes it, as the schema says."""
+    got = client.completions.create(model="default", prompt=[1, 2.0, 3], max_tokens=2.0, n=1.0)
+    assert got.usage.prompt_tokens == 3 and got.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("body, valid", [
+    ({"prompt": "hi", "tools": []}, True), ({"prompt": "hi", "tools": [{"type": "function"}]}, False),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, False),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}, True),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, False), ({"prompt": ""}, False), ({"prompt": "hi", "n": 2.0}, True)])
+def test_the_published_schema_says_what_the_server_refuses(server, body, valid):
+    """/openapi.json is as strict as the server on every rule a schema can state (a generated client learns
+    them): checked with jsonschema, an implementation independent of pydantic's."""
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    request = {**schema["components"]["schemas"]["CompletionRequest"], "components": schema["components"]}
+    errors = list(jsonschema.Draft202012Validator(request).iter_errors(body))
+    assert (not errors) == valid, [e.message for e in errors]
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
+    assert (r.status_code == 200) == valid, r.text
 
 
 def test_one_access_log_line_per_request(server, client, caplog):

@@ -3,9 +3,10 @@
 Requests are pydantic models that FastAPI publishes in /openapi.json (so schema-driven fuzzers and client
 generators see them). Every field is either honoured with vLLM's semantics or refused with a 400 that
 names it: types are strict (a number is not a string), unknown fields are refused, and the OpenAI fields
-tinyvllm does not build (tools, structured output, ...) are refused when set. Responses are plain dicts
-in OpenAI's shapes (`text_completion`, `chat.completion`, their streaming `.chunk`s, usage, logprobs,
-errors).
+tinyvllm does not build (tools, structured output, ...) are refused when set. The schema says all of it,
+rules between fields included, except what depends on the model (the vocabulary, the context window) and
+best_of == n, which JSON Schema cannot state. Responses are plain dicts in OpenAI's shapes
+(`text_completion`, `chat.completion`, their streaming `.chunk`s, usage, logprobs, errors).
 """
 from __future__ import annotations
 
@@ -15,16 +16,29 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from tinyvllm.engine.sampling import MAX_LOGPROBS, MAX_N, MIN_REPETITION_PENALTY, SamplingParams
 
+
+
+def _whole_number(value):
+    """JSON has one kind of number: 4.0 is the integer 4 (as JSON Schema's "integer" says), 4.5 is not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds):
+    """A strict integer within bounds (ge=, le=): JSON's 1 and 1.0 are, "1" and 1.5 are not. The bounds sit in
+    the integer's own Field so that /openapi.json publishes them (as minimum and maximum)."""
+    return Annotated[int, Field(strict=True, **bounds), BeforeValidator(_whole_number)]
+
+
 # Strict scalars: JSON's 1 is a number, "1" is not; NaN and infinities are not numbers either.
-Int = Annotated[int, Field(strict=True)]
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Str = Annotated[str, Field(strict=True)]
-Int64 = Annotated[int, Field(strict=True, ge=-2 ** 63, le=2 ** 63 - 1)]   # seeds: any int64, as vLLM
-TokenId = Annotated[int, Field(strict=True, ge=0)]
+Int64 = Int(ge=-2 ** 63, le=2 ** 63 - 1)   # seeds: any int64, as vLLM
+TokenId = Int(ge=0)
+Text = Annotated[str, Field(strict=True, min_length=1)]   # a prompt: empty text has no token to start from
 
 # OpenAI fields tinyvllm does not build: accepted only at the value that means "not used".
 NOT_BUILT = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -32,6 +46,21 @@ NOT_BUILT = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (N
              "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
              "web_search_options": (None,), "reasoning_effort": (None,), "store": (None, False),
              "metadata": (None,), "service_tier": (None, "auto", "default")}
+
+
+def not_built(name: str):
+    """A NOT_BUILT field: typed loosely (so the 400 names it), its "not used" values published as the schema's enum."""
+    return Field(default=None, json_schema_extra={"enum": list(NOT_BUILT[name])})
+
+
+def needs(field: str, value, when: dict) -> dict:
+    """A rule between two fields, in JSON Schema's words: when `when` holds, `field` must be `value`."""
+    return {"if": when, "then": {"properties": {field: {"const": value}}, "required": [field]}}
+
+
+def is_set(field: str, schema: dict | None = None) -> dict:
+    """JSON Schema: `field` is present, not null (and matches `schema`)."""
+    return {"properties": {field: {"not": {"type": "null"}, **(schema or {})}}, "required": [field]}
 
 
 class StreamOptions(BaseModel):
@@ -43,16 +72,16 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Str | None = None                           # None: the one model this server serves
-    max_tokens: Int | None = Field(default=None, ge=1)
+    max_tokens: Int(ge=1) | None = None
     temperature: Float | None = Field(default=None, ge=0, le=2)   # OpenAI's range; 0 is greedy; None: 1
     top_p: Float | None = Field(default=None, gt=0, le=1)
-    top_k: Int | None = Field(default=None, ge=-1)    # vLLM's extra field: 0 or -1 keeps all
+    top_k: Int(ge=-1) | None = None    # vLLM's extra field: 0 or -1 keeps all
     min_p: Float | None = Field(default=None, ge=0, le=1)   # vLLM's extra field
     seed: Int64 | None = None
     stop: Str | list[Str] | None = None
     stop_token_ids: list[TokenId] | None = None     # vLLM's extra field
     ignore_eos: Annotated[bool, Field(strict=True)] = False   # vLLM's extra field (benchmarks)
-    n: Int = Field(default=1, ge=1, le=MAX_N)
+    n: Int(ge=1, le=MAX_N) = 1
     presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: Float | None = Field(default=None, ge=MIN_REPETITION_PENALTY)   # vLLM's extra field
@@ -60,21 +89,21 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: Str | None = None                         # an end-user id: written to the access log only
     # refused unless at their "not used" value (NOT_BUILT); typed loosely so the 400 names the field
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    functions: list | None = None
-    function_call: str | dict | None = None
-    parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = None
-    response_format: dict | None = None
-    logit_bias: dict | None = None
-    audio: dict | None = None
-    modalities: list | None = None
-    prediction: dict | None = None
-    web_search_options: dict | None = None
-    reasoning_effort: str | None = None
-    store: Annotated[bool, Field(strict=True)] | None = None
-    metadata: dict | None = None
-    service_tier: str | None = None
+    tools: list | None = not_built("tools")
+    tool_choice: str | dict | None = not_built("tool_choice")
+    functions: list | None = not_built("functions")
+    function_call: str | dict | None = not_built("function_call")
+    parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = not_built("parallel_tool_calls")
+    response_format: dict | None = not_built("response_format")
+    logit_bias: dict | None = not_built("logit_bias")
+    audio: dict | None = not_built("audio")
+    modalities: list | None = not_built("modalities")
+    prediction: dict | None = not_built("prediction")
+    web_search_options: dict | None = not_built("web_search_options")
+    reasoning_effort: str | None = not_built("reasoning_effort")
+    store: Annotated[bool, Field(strict=True)] | None = not_built("store")
+    metadata: dict | None = not_built("metadata")
+    service_tier: str | None = not_built("service_tier")
 
     @field_validator(*NOT_BUILT)
     @classmethod
@@ -105,13 +134,16 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
+    # the rules between fields, published too (a client generated from the schema knows them)
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        needs("stream", True, is_set("stream_options")), needs("echo", False, is_set("logprobs"))]})
     # text, token ids, or a list of either: several prompts give choices prompt by prompt, n each
-    prompt: Str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Str], Field(min_length=1)] \
+    prompt: Text | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[Text], Field(min_length=1)] \
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    max_tokens: Int | None = Field(default=16, ge=1)          # OpenAI's default for completions
+    max_tokens: Int(ge=1) | None = 16          # OpenAI's default for completions
     echo: Annotated[bool, Field(strict=True)] = False          # the prompt's text before the completion
-    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # top k per token, + the sampled one
-    best_of: Int | None = Field(default=None, ge=1)
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None   # top k per token, + the sampled one
+    best_of: Int(ge=1) | None = None
 
     @field_validator("logprobs")
     @classmethod
@@ -157,10 +189,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        needs("stream", True, is_set("stream_options")), needs("logprobs", True, is_set("top_logprobs", {"minimum": 1}))]})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int | None = Field(default=None, ge=1)  # the newer name for max_tokens
+    max_completion_tokens: Int(ge=1) | None = None  # the newer name for max_tokens
     logprobs: Annotated[bool, Field(strict=True)] = False
-    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: Annotated[bool, Field(strict=True)] = True   # vLLM's extra field
 
     @field_validator("top_logprobs")

@@ -6,7 +6,6 @@ allocation (bf16 bits on the GPU, float32 on the CPU) and hand out named views i
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from tinyvllm.errors import TinyVLLMError
 
 # whole modules, not their functions: a learner's exercise plugged into a module is what runs here
 from tinyvllm.formats import bf16, safetensors_format
-from tinyvllm.formats.config import LlamaConfig, expected_tensor_shapes
+from tinyvllm.formats.config import LlamaConfig, expected_tensor_shapes, read_json_object
 from tinyvllm.model import buffers
 from tinyvllm.model.buffers import Region, aligned_empty, blob_size, carve
 from tinyvllm.model.kv_pool import check_memory, human_bytes
@@ -30,10 +29,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a model directory: the index's shards, or the one file."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise TinyVLLMError(f"{index}: not a valid safetensors index ({e!r})") from None
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise TinyVLLMError(f"{index}: not a safetensors index (no \"weight_map\" of tensor names to file "
+                                "names); re-download it")
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise TinyVLLMError(f"{index} lists {missing[0]}, which is missing; finish the download")
