@@ -89,7 +89,7 @@ def main() -> None:
     import cupy as cp
     import torch
 
-    from tinyvllm.model.kv_pool import BLOCK_SIZE
+    from tinyvllm.model.step_plan import BLOCK_SIZE
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--chunk", type=int, nargs=2, default=[30720, 2048], metavar=("START", "TOKENS"),

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from bench.gpu_common import thread_settings, write_result  # noqa: E402
 from tinyvllm.model.backend import numpy_ops  # noqa: E402
-from tinyvllm.model.kv_pool import BLOCK_SIZE  # noqa: E402
+from tinyvllm.model.step_plan import BLOCK_SIZE  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 

@@ -132,7 +132,8 @@ def hold(model) -> None:
 def tinyvllm_ms_per_token(model, context: int, steps: int, bandwidth: float, table: bool = False) -> dict:
     """At `context` cached tokens: median ms per decode step + greedy sample; the time of one step with its kernels
     run back to back (no launch gaps); that step's ms per op; op calls per step; with `table`, kernel_table's rows."""
-    from tinyvllm.engine.sampling import SamplingParams, sample
+    from tinyvllm.engine.sampling import SamplingParams
+    from tinyvllm.model.sampler import sample
     from tinyvllm.model.decode import decode_step
     from tinyvllm.model.kv_pool import ContiguousKVCache
     from tinyvllm.model.prefill import prefill
@@ -199,7 +200,8 @@ def ms_per_step(model, batch: int, context: int, steps: int) -> tuple[float, int
     replay per step on the GPU, decode_batch on the CPU. The pool's K/V are zeros: the time does not depend on them."""
     from tinyvllm.engine.block_manager import BlockManager, plan_decode
     from tinyvllm.model.decode import decode_batch
-    from tinyvllm.model.kv_pool import PagedKVPool, blocks_for
+    from tinyvllm.model.kv_pool import PagedKVPool
+    from tinyvllm.model.step_plan import blocks_for
     warmup = 3
     num_blocks = batch * blocks_for(context + warmup + steps + 1)
     blocks, pool = BlockManager(num_blocks), PagedKVPool(model.cfg, model.ops, num_blocks)

@@ -692,7 +692,7 @@ def slo_pair(text: str) -> tuple[str, float]:
 def pool_blocks_for(max_model_len: int, max_num_seqs: int) -> int:
     """Both engines get the same pool: every sequence of a full batch at its longest, no preemption. (A
     pool sized from free memory would leave the offline engine, loaded beside the server, nothing.)"""
-    from tinyvllm.model.kv_pool import blocks_for
+    from tinyvllm.model.step_plan import blocks_for
     return max_num_seqs * blocks_for(max_model_len)
 
 

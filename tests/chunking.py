@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.engine.block_manager import BlockManager, plan_prefill
-from tinyvllm.model.kv_pool import BLOCK_SIZE, PagedKVPool
+from tinyvllm.model.kv_pool import PagedKVPool
+from tinyvllm.model.step_plan import BLOCK_SIZE
 from tinyvllm.model.model import Model
 from tinyvllm.model.prefill import prefill_batch
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tinyvllm.engine.engine as engine_module
+import tinyvllm.model.runner as runner_module
 from tests import seeding
 from tests.numeric import rel_err
 from tinyvllm import LLM, SamplingParams
@@ -29,7 +29,8 @@ from tinyvllm.engine.block_manager import BlockManager, plan_decode, plan_prefil
 from tinyvllm.model.decode import decode_batch
 from tinyvllm.model.backend import numpy_ops
 from tinyvllm.model.gemm import gemm_numpy
-from tinyvllm.model.kv_pool import PagedKVPool, blocks_for
+from tinyvllm.model.kv_pool import PagedKVPool
+from tinyvllm.model.step_plan import blocks_for
 from tinyvllm.model.model import Model
 from tinyvllm.model.prefill import prefill_batch
 
@@ -233,13 +234,13 @@ def test_a_gemm_row_gets_the_same_bits_among_any_rows(shape, seed, record_proper
 
 def engine_prefill_logits(monkeypatch):
     """Record what the engine's prefill passes return: [(chunk sizes, starts, logits copy)]."""
-    passes, real = [], engine_module.prefill_batch
+    passes, real = [], runner_module.prefill_batch
 
     def recording(model, pool, steps, *args, **kwargs):
         logits = real(model, pool, steps, *args, **kwargs)
         passes.append(([len(s.token_ids) for s in steps], [s.start for s in steps], np.array(logits, copy=True)))
         return logits
-    monkeypatch.setattr(engine_module, "prefill_batch", recording)
+    monkeypatch.setattr(runner_module, "prefill_batch", recording)
     return passes
 
 

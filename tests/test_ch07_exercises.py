@@ -24,7 +24,7 @@ from tinyvllm.engine.prefix_cache import PrefixCachingBlockManager
 from tinyvllm.engine.sampling import SamplingParams
 from tinyvllm.engine.scheduler import Scheduler, Step
 from tinyvllm.engine.sequence import Sequence, Status
-from tinyvllm.model.kv_pool import BLOCK_SIZE
+from tinyvllm.model.step_plan import BLOCK_SIZE
 
 
 class FakeBlocks:

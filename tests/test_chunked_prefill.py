@@ -21,7 +21,8 @@ from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine import prefix_cache
 from tinyvllm.engine.block_manager import BlockManager, plan_decode, plan_prefill
 from tinyvllm.engine.prefix_cache import PrefixCachingBlockManager
-from tinyvllm.model.kv_pool import BLOCK_SIZE, PagedKVPool
+from tinyvllm.model.kv_pool import PagedKVPool
+from tinyvllm.model.step_plan import BLOCK_SIZE
 from tinyvllm.model.model import Model
 from tinyvllm.model.decode import decode_batch
 from tinyvllm.model.prefill import prefill_batch

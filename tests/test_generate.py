@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import tinyvllm.engine.engine
+import tinyvllm.model.sampler
 from tinyvllm import LLM, SamplingParams, TinyVLLMError
 from tinyvllm.entrypoints.llm import CompletionOutput, RequestOutput
 
@@ -84,7 +84,7 @@ def test_stream_holds_back_partial_utf8_of_forced_tokens(llm, monkeypatch):
     forced = llm.tokenizer.encode(target) + [llm.stop_token_ids[0]]
     assert any("\ufffd" in llm.tokenizer.decode([t]) for t in forced)  # some tokens hold partial characters
     script = iter(forced)
-    monkeypatch.setattr(tinyvllm.engine.engine, "sample", lambda logits, params, rng: next(script))
+    monkeypatch.setattr(tinyvllm.model.sampler, "sample", lambda logits, params, rng: next(script))
     chunks, out = stream_text(llm, llm.tokenizer.encode("Hi"), SamplingParams(temperature=1.0, max_tokens=64))
     assert out.outputs[0].text == "".join(chunks) == target
     assert not [c for c in chunks if "\ufffd" in c]
@@ -249,13 +249,13 @@ def test_a_failure_in_one_sequence_fails_it_alone(llm, eight_requests, monkeypat
         return wrapped
 
     if fault == "sample":
-        real_sample = tinyvllm.engine.engine.sample
+        real_sample = tinyvllm.model.sampler.sample
         faulty = third_call_fails(real_sample)
-        monkeypatch.setattr(tinyvllm.engine.engine, "sample",
+        monkeypatch.setattr(tinyvllm.model.sampler, "sample",
                             lambda logits, p, rng: faulty(logits, p, rng) if p.seed == 100 + bad else
                             real_sample(logits, p, rng))
     elif fault == "logprobs":
-        monkeypatch.setattr(tinyvllm.engine.engine, "raw_logprobs", third_call_fails(tinyvllm.engine.engine.raw_logprobs))
+        monkeypatch.setattr(tinyvllm.model.sampler, "raw_logprobs", third_call_fails(tinyvllm.model.sampler.raw_logprobs))
     seqs = [llm.add_request(p, s) for p, s in zip(prompts, params)]
     if fault == "append":
         seqs[bad].append = third_call_fails(seqs[bad].append)

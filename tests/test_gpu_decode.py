@@ -133,7 +133,7 @@ def test_gpu_sampling_matches_cpu_sampling(rng):
     import cupy as cp
 
     from tinyvllm import SamplingParams
-    from tinyvllm.engine.sampling import sample
+    from tinyvllm.model.sampler import sample
     logits = (rng.standard_normal(128256) * 3).astype(np.float32)
     on_gpu = cp.asarray(logits)
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=1),

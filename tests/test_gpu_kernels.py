@@ -98,7 +98,7 @@ def test_chunk_attention(ops, rng, start, T, heads, kv_heads, head_dim):
     import cupy as cp
 
     from tinyvllm.formats.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
-    from tinyvllm.model.kv_pool import BLOCK_SIZE
+    from tinyvllm.model.step_plan import BLOCK_SIZE
     num_blocks = -(-(start + T) // BLOCK_SIZE)
     table = rng.permutation(3 * num_blocks)[:num_blocks].astype(np.int32)     # spread over a bigger pool
     pool_bits = np.full((3 * num_blocks * BLOCK_SIZE, kv_heads, head_dim), 0x7FC0, np.uint16)  # bf16 NaN

@@ -80,3 +80,14 @@ def test_the_checker_catches_a_wrong_way_import():
     assert allowed("tinyvllm.engine.scheduler", "tinyvllm.model.step_plan")
     fake = PACKAGE / "model" / "kv_pool.py"
     assert "tinyvllm.model.step_plan" in imported_modules(fake)
+
+
+THE_DOOR = {"tinyvllm.model.runner", "tinyvllm.model.step_plan"}   # what the engine may import of model/
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "engine").glob("*.py")), ids=lambda p: p.name)
+def test_the_engine_reaches_the_model_through_one_door(path):
+    """The engine hands the model runner a plan and reads back a StepOutput: it imports the runner and the plan,
+    nothing else of model/ (no kernels, no pools, no forward pass of its own choosing)."""
+    beyond = sorted(m for m in imported_modules(path) if layer_of(m) == "model" and m not in THE_DOOR)
+    assert not beyond, f"{module_name(path)} imports {beyond} from model/; go through {sorted(THE_DOOR)}"

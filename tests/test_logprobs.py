@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from tinyvllm import LLM, Logprob, SamplingParams
-from tinyvllm.engine.sampling import logprob_entries, raw_logprobs
+from tinyvllm.engine.sampling import logprob_entries
+from tinyvllm.model.sampler import raw_logprobs
 
 QUESTION = [{"role": "user", "content": "Write a poem about the sea."}]
 MAX_ERROR = 1e-3    # logprob error against transformers' float32 log-softmax

@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import tinyvllm.engine.engine
+import tinyvllm.model.runner
+import tinyvllm.model.sampler
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.engine.sampling import apply_penalties
+from tinyvllm.model.sampler import apply_penalties
 
 MAX_TOKENS = 12
 
@@ -52,13 +53,13 @@ def logits_row(llm, monkeypatch):
     """Every logits row the model computes is replaced by one designed row (the real forward pass still
     runs, so the cache is filled as usual)."""
     holder = {}
-    real_prefill, real_decode = tinyvllm.engine.engine.prefill_batch, llm.engine.decode
+    real_prefill, real_decode = tinyvllm.model.runner.prefill_batch, llm.engine.runner.decode
 
     def replace(logits):
         return np.broadcast_to(holder["row"], logits.shape).copy()
 
-    monkeypatch.setattr(tinyvllm.engine.engine, "prefill_batch", lambda *a, **k: replace(real_prefill(*a, **k)))
-    monkeypatch.setattr(llm.engine, "decode", lambda *a, **k: replace(real_decode(*a, **k)))
+    monkeypatch.setattr(tinyvllm.model.runner, "prefill_batch", lambda *a, **k: replace(real_prefill(*a, **k)))
+    monkeypatch.setattr(llm.engine.runner, "decode", lambda *a, **k: replace(real_decode(*a, **k)))
 
     def use(row: np.ndarray) -> np.ndarray:
         holder["row"] = row
@@ -121,7 +122,7 @@ def test_plain_greedy_rows_never_reach_the_per_row_sampler(llm, monkeypatch):
     """The fast path: greedy rows without penalties take the batch's one argmax, never sample()."""
     def refuse(*args):
         raise AssertionError("sample() called for a plain greedy row")
-    monkeypatch.setattr(tinyvllm.engine.engine, "sample", refuse)
+    monkeypatch.setattr(tinyvllm.model.sampler, "sample", refuse)
     outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tinyvllm import SamplingParams, TinyVLLMError
-from tinyvllm.engine.sampling import rng_for, sample
+from tinyvllm.engine.sampling import rng_for
+from tinyvllm.model.sampler import sample
 
 DRAWS = 20_000
 # A fixed logits vector without ties, so top-k has one answer

@@ -27,7 +27,7 @@ import pytest
 from starlette.responses import Response
 from starlette.testclient import TestClient
 
-import tinyvllm.engine.engine as engine_module
+import tinyvllm.model.sampler as sampler_module
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.entrypoints.cli import main
@@ -401,14 +401,14 @@ def test_a_client_that_leaves_before_the_first_byte_is_aborted(server):
 def test_a_failure_inside_the_engine_fails_that_request_alone(monkeypatch, expected):
     """A fault injected into one request's sampling (the engine runs in a thread here, so it can be
     patched) fails that request with an error object; the others, in the same batch, are unharmed."""
-    sample = engine_module.sample
+    sample = sampler_module.sample
 
     def faulty(logits, params, rng, *args, **kwargs):
         if params.seed == 666:
             raise ValueError("injected fault")
         return sample(logits, params, rng, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "sample", faulty)
+    monkeypatch.setattr(sampler_module, "sample", faulty)
     srv = start(engine_in_thread=True)
     try:
         async def together():

@@ -19,7 +19,7 @@ from tinyvllm import reference
 from tinyvllm.formats.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from tinyvllm.model.backend import constants
 from tinyvllm.model.backend import numpy_ops as twin
-from tinyvllm.model.kv_pool import BLOCK_SIZE
+from tinyvllm.model.step_plan import BLOCK_SIZE
 
 F32 = np.float32
 TOL = 1e-5

@@ -27,7 +27,8 @@ from chapters.ch01_map import checkpoint as ch01
 from chapters.ch01_map.checkpoint import Stage, rel_err, timed
 from chapters.ch03_prefill.checkpoint import host_f32, print_table
 from tinyvllm import reference
-from tinyvllm.engine.sampling import SamplingParams, sample
+from tinyvllm.engine.sampling import SamplingParams
+from tinyvllm.model.sampler import sample
 from tinyvllm.formats.config import LlamaConfig
 from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer
 from tinyvllm.model.backend import cuda_available, numpy_ops

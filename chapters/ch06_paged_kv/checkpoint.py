@@ -33,7 +33,7 @@ from chapters.ch03_prefill.checkpoint import print_table
 from chapters.ch05_decode import checkpoint as ch05
 from tinyvllm.engine import block_manager
 from tinyvllm.engine.block_manager import BLOCK_SIZE, OutOfBlocks, blocks_for
-from tinyvllm.engine.sampling import sample
+from tinyvllm.model.sampler import sample
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer

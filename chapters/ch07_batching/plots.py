@@ -21,6 +21,7 @@ from tinyvllm.engine.engine import Engine
 from tinyvllm.engine.engine_config import MAX_STEP_TOKENS
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.model.kv_pool import PagedKVPool
+from tinyvllm.model.runner import ModelRunner
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)   # max_num_seqs for the throughput figure
 THROUGHPUT_TOKENS = 8                # output tokens per request there (ignore_eos: exactly that many)
@@ -63,7 +64,8 @@ def engine_on(llm: LLM, max_num_seqs: int = 256, prefix_caching: bool = False, n
     budget = budget or llm.engine.config.max_num_batched_tokens   # one prompt may take all of it: no long-prefill cap
     config = replace(llm.engine.config, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching,
                      num_blocks=num_blocks, max_num_batched_tokens=budget, long_prefill_token_threshold=budget)
-    return Engine(config, llm.model, PagedKVPool(llm.model_config, llm.model.ops, num_blocks), llm.tokenizer)
+    runner = ModelRunner(llm.model, PagedKVPool(llm.model_config, llm.model.ops, num_blocks))
+    return Engine(config, runner, llm.tokenizer)
 
 
 @lru_cache(maxsize=1)

@@ -20,7 +20,7 @@ from collections import deque
 import numpy as np
 
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.model.kv_pool import BLOCK_SIZE, blocks_for
+from tinyvllm.model.step_plan import BLOCK_SIZE, blocks_for
 from tinyvllm.model.step_plan import SeqStep
 
 

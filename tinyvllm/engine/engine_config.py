@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.config import LlamaConfig
-from tinyvllm.model.kv_pool import BLOCK_SIZE
+from tinyvllm.model.step_plan import BLOCK_SIZE
 
 # Tokens one step computes, at most by default: the rows of the model's step buffers (float32 on the CPU:
 # ~32 KB per token of SmolLM2; bf16 on the GPU)

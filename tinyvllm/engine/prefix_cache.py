@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from tinyvllm.engine.block_manager import BlockManager
-from tinyvllm.model.kv_pool import BLOCK_SIZE, blocks_for
+from tinyvllm.model.step_plan import BLOCK_SIZE, blocks_for
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:

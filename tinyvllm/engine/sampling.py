@@ -1,14 +1,11 @@
-"""Chapter 5: turning logits into the next token, with vLLM's SamplingParams.
+"""Chapter 5: what a request asks of sampling — vLLM's SamplingParams, checked once when it arrives — and the
+logprobs it reads back.
 
-temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature, cut by top-k and
-min-p, then by top-p among the survivors (vLLM's order), renormalized and drawn from. Before either, the
-penalties (presence, frequency, repetition) change the logits of tokens already seen, as in vLLM.
-
-It all runs where the logits are (NumPy or CuPy: the same code), so a GPU never copies a 128K-entry
-logits row to the host: only the chosen id comes back (and, when asked, the k+1 log-probabilities).
-The randomness is one uniform number per token from the request's own seeded generator on the host,
-turned into a token by inverting the kept tokens' cumulative distribution — so a seed gives the same
-tokens on every run.
+temperature 0 is greedy; otherwise temperature, top-k, min-p and top-p shape the distribution a token is
+drawn from, after the penalties (presence, frequency, repetition) change the logits of tokens already seen,
+as in vLLM. The arithmetic runs where the logits are, in the model runner's sampler (model/sampler.py);
+the randomness comes from each request's own seeded generator (rng_for), so a seed gives the same tokens
+on every run.
 """
 from __future__ import annotations
 
@@ -121,53 +118,6 @@ def rng_for(seed: int | None) -> np.random.Generator:
     return np.random.default_rng(None if seed is None else seed % 2**64)
 
 
-def sample(logits, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id from a (vocab,) logits vector, a NumPy or CuPy array."""
-    xp = array_module(logits)
-    if params.temperature == 0:
-        return int(xp.argmax(logits))
-    z = logits.astype(xp.float64) / params.temperature  # float64: exp of large logits stays accurate
-    probs = xp.exp(z - z.max())
-    probs /= probs.sum()
-    if params.top_k <= 0 and params.min_p == 0 and params.top_p == 1:  # nothing to cut: no sort needed
-        order, cdf, kept = None, xp.cumsum(probs), len(probs)
-    else:
-        order = xp.argsort(-probs, kind="stable") if xp is np else xp.argsort(-probs)  # most likely first
-        sorted_probs = probs[order]
-        keep = xp.ones(sorted_probs.shape, dtype=bool)
-        if params.top_k > 0:
-            keep[params.top_k:] = False
-        if params.min_p > 0:
-            keep &= sorted_probs >= params.min_p * sorted_probs[0]
-        if params.top_p < 1:  # as vLLM: top-p measures mass among the tokens top-k and min-p kept
-            mass = xp.where(keep, sorted_probs, 0.0) / sorted_probs[keep].sum()
-            keep &= (xp.cumsum(mass) - mass) < params.top_p  # keep a token if the mass before it is below top_p
-        cdf, kept = xp.cumsum(xp.where(keep, sorted_probs, 0.0)), int(keep.sum())
-    u = rng.random() * float(cdf[-1])  # the one number that crosses from the host
-    i = min(int(xp.searchsorted(cdf, u, side="right")), kept - 1)  # never past the kept tokens
-    return int(i if order is None else order[i])
-
-
-# ---- penalties (vLLM's rule), applied to the logits before greedy or sampling ----
-
-def apply_penalties(logits, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]):
-    """A penalized float32 copy of one (vocab,) logits row (the raw row stays, for logprobs). Repetition:
-    every token seen in the prompt or the output has a positive logit divided by repetition_penalty, a
-    negative one multiplied. Then, over the output only: minus frequency x count, minus presence if seen.
-    Only the ids of seen tokens and their counts cross to the device."""
-    xp = array_module(logits)
-    row = logits.astype(xp.float32)  # a copy: the raw logits must survive for logprobs
-    if params.repetition_penalty != 1:
-        seen = xp.asarray(np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64)))
-        hit = row[seen]
-        row[seen] = xp.where(hit > 0, hit / params.repetition_penalty, hit * params.repetition_penalty)
-    if output_ids and (params.frequency_penalty or params.presence_penalty):
-        ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
-        cut = params.frequency_penalty * counts + params.presence_penalty
-        row[xp.asarray(ids)] -= xp.asarray(cut.astype(np.float32))
-    return row
-
-
 # ---- logprobs (vLLM's raw_logprobs: from the model's logits, before penalties, temperature, top-k/p) ----
 
 @dataclass
@@ -175,19 +125,6 @@ class Logprob:
     logprob: float          # natural log of the token's probability under the model
     rank: int               # 1 + how many tokens have a strictly higher logprob (1: the likeliest)
     decoded_token: str      # the token alone, as text
-
-
-def raw_logprobs(logits, tokens: list[int], k: int):
-    """Log-softmax of a (rows, vocab) batch of logits, reduced where it is: per row the k likeliest
-    tokens (ids and logprobs, in no particular order) and the sampled token's logprob and rank.
-    Returns four arrays on the logits' device; only (rows, k + 2) numbers need to cross to the host."""
-    xp, k = array_module(logits), min(k, logits.shape[1])
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    lp = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
-    chosen = lp[xp.arange(len(tokens)), xp.asarray(tokens)]
-    ranks = 1 + (lp > chosen[:, None]).sum(axis=1)
-    top = xp.argpartition(-lp, k - 1, axis=1)[:, :k] if k else xp.zeros((len(tokens), 0), dtype=xp.int64)
-    return top, xp.take_along_axis(lp, top, axis=1), chosen, ranks
 
 
 def logprob_entries(token: int, logprob: float, rank: int, top_ids: np.ndarray, top_values: np.ndarray,
@@ -200,11 +137,3 @@ def logprob_entries(token: int, logprob: float, rank: int, top_ids: np.ndarray, 
     for i, v in zip(ids.tolist(), values.tolist()):
         entries.setdefault(i, Logprob(v, 1 + int((values > v).sum()), decode(i)))
     return entries
-
-
-def array_module(a):
-    """numpy for NumPy arrays, cupy for CuPy arrays (without importing CuPy on the CPU)."""
-    if isinstance(a, np.ndarray):
-        return np
-    import cupy
-    return cupy

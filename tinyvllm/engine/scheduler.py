@@ -31,7 +31,7 @@ from tinyvllm.engine import block_manager
 from tinyvllm.engine.block_manager import plan_decode, plan_prefill
 from tinyvllm.engine.sequence import Sequence, Status
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.model.kv_pool import BLOCK_SIZE
+from tinyvllm.model.step_plan import BLOCK_SIZE
 from tinyvllm.model.step_plan import StepPlan
 
 
@@ -110,12 +110,14 @@ class Scheduler:
     def allocate(self, step: Step) -> None:
         """Take the blocks decide() promised and write the plan: the model gets slots and tables, never
         the block manager. Prefills first (each its chunk, after its cached prefix or earlier chunks), then
-        one slot per decode."""
+        one slot per decode; each sequence whose tokens are all computed after the step samples one."""
         prefills = [plan_prefill(self.blocks, s.seq_id, s.token_ids, s.num_computed, count)
                     for s, count in zip(step.prefills, step.chunks)]
         decodes = plan_decode(self.blocks, [s.seq_id for s in step.decodes], [s.last_token for s in step.decodes])
         for seq, count in zip(step.prefills + step.decodes, step.chunks + [1] * len(step.decodes)):
             seq.num_computed += count                  # their K/V are in the pool once the step has run
+        for seq, planned in zip(step.prefills + step.decodes, prefills + decodes):
+            planned.sampling = seq.sampling if seq.num_computed == len(seq) else None   # a prompt's last chunk, a decode
         step.plan = StepPlan(prefills, decodes)
 
     def _make_room(self, seq: Sequence, blocks: int, step: Step) -> int:

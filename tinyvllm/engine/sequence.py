@@ -13,6 +13,7 @@ from enum import Enum
 from tinyvllm.engine.sampling import Logprob, SamplingParams, rng_for
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer
+from tinyvllm.model.step_plan import Sampling
 
 
 class PromptTooLong(TinyVLLMError):
@@ -63,6 +64,8 @@ class Sequence:
 
     def __post_init__(self):
         self.rng = rng_for(self.params.seed)  # its own generator: a seed means the same tokens
+        # what the plan tells the model runner when this sequence samples: the same lists, read in place
+        self.sampling = Sampling(self.params, self.rng, self.prompt_ids, self.output_ids)
 
     @classmethod
     def create(cls, seq_id: int, prompt_ids: list[int], params: SamplingParams, max_model_len: int,

@@ -7,7 +7,8 @@ from dataclasses import asdict
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.formats.config import load_config
 from tinyvllm.model.buffers import Region, blob_size, plan_buffers
-from tinyvllm.model.kv_pool import BLOCK_SIZE, CPU_KV_CACHE_BYTES, bytes_per_block
+from tinyvllm.model.kv_pool import CPU_KV_CACHE_BYTES, bytes_per_block
+from tinyvllm.model.step_plan import BLOCK_SIZE
 from tinyvllm.model.weights import open_checkpoint, plan_weights, weight_kind
 
 

@@ -29,7 +29,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
 from tinyvllm.engine.engine_core import Report
-from tinyvllm.model.kv_pool import BLOCK_SIZE
+from tinyvllm.model.step_plan import BLOCK_SIZE
 
 if TYPE_CHECKING:
     from tinyvllm.entrypoints.server import AsyncEngine

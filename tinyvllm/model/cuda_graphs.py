@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.model.decode import decode_rows
-from tinyvllm.model.kv_pool import BLOCK_SIZE, PagedKVPool, blocks_for
+from tinyvllm.model.kv_pool import PagedKVPool
+from tinyvllm.model.step_plan import BLOCK_SIZE, blocks_for
 from tinyvllm.model.model import Model
 from tinyvllm.model.step_plan import SeqStep
 

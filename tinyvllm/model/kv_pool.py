@@ -24,14 +24,9 @@ import numpy as np
 
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.config import LlamaConfig
-from tinyvllm.model.step_plan import SeqStep
+from tinyvllm.model.step_plan import BLOCK_SIZE, SeqStep
 
-BLOCK_SIZE = 16            # tokens per block: the one source (the kernels get it through NVRTC's -D)
 CPU_KV_CACHE_BYTES = 2**30  # 1 GiB: ~23,000 tokens of SmolLM2-135M in float32
-
-
-def blocks_for(num_tokens: int) -> int:
-    return -(-num_tokens // BLOCK_SIZE)
 
 
 class KVPool:

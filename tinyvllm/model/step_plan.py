@@ -8,12 +8,33 @@ What is left for the model is arithmetic on this plan, one SeqStep per sequence 
     slots        the pool slot each new token's K/V go to: block_table[p // 16] * 16 + p % 16
     block_table  the sequence's physical blocks, covering positions 0 .. start + len(token_ids) - 1
 
+    sampling     how its next token is drawn, when this step ends its prompt or decodes (else None)
+
 The model never calls the block manager, so what it computes cannot disagree with what was allocated:
-vLLM v1's SchedulerOutput and nano-vllm's prepare_prefill/prepare_decode draw the same line.
+vLLM v1's SchedulerOutput and nano-vllm's prepare_prefill/prepare_decode draw the same line. The model
+runner (runner.py) takes the plan and gives back a StepOutput: the sampled ids and logprobs, on the host.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
+
+BLOCK_SIZE = 16            # tokens per block: the one source (the kernels get it through NVRTC's -D)
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+@dataclass
+class Sampling:
+    """How one sequence's next token is drawn: its request's SamplingParams (temperature, top_k, top_p,
+    min_p, the penalties, logprobs), its own seeded generator, and the tokens the penalties look at."""
+    params: object
+    rng: np.random.Generator
+    prompt_ids: list[int]
+    output_ids: list[int]
 
 
 @dataclass
@@ -22,6 +43,7 @@ class SeqStep:
     start: int
     slots: list[int]
     block_table: list[int] = field(default_factory=list)  # empty for chapter 5's contiguous cache
+    sampling: Sampling | None = None   # None: nothing to sample (a chunk that does not end its prompt)
 
     @property
     def end(self) -> int:
@@ -33,3 +55,11 @@ class SeqStep:
 class StepPlan:
     prefills: list[SeqStep] = field(default_factory=list)  # prompts (or their uncached tails): one batched prefill
     decodes: list[SeqStep] = field(default_factory=list)   # one token each: one batched decode
+
+
+@dataclass
+class StepOutput:
+    """What a step gives back, on the host, one entry per SeqStep of the plan (prefills, then decodes)."""
+    tokens: list[int | None]                  # the sampled id; None where nothing was sampled, or it failed
+    logprobs: list[tuple | None]              # where asked: (the token's logprob, its rank, top ids, top logprobs)
+    errors: dict[int, Exception] = field(default_factory=dict)   # entry -> why its sampling failed (its alone)

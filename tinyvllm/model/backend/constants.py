@@ -7,7 +7,7 @@ chunking). BLOCK_SIZE, the paged KV block size, has its one source in tinyvllm/m
 """
 from __future__ import annotations
 
-from tinyvllm.model.kv_pool import BLOCK_SIZE
+from tinyvllm.model.step_plan import BLOCK_SIZE
 
 BF16_PER_VECTOR = 8  # bf16 values in one 16-byte vector load (uint4): what a kernel thread loads at once
 

@@ -14,7 +14,7 @@ import numpy as np
 from tinyvllm.formats.bf16 import bf16_bits_to_float32
 from tinyvllm.model.backend.constants import decode_thread_groups
 from tinyvllm.model.gemm import gemm_numpy as gemm  # noqa: F401  (part of the backend's interface)
-from tinyvllm.model.kv_pool import BLOCK_SIZE
+from tinyvllm.model.step_plan import BLOCK_SIZE
 
 F32 = np.float32
 

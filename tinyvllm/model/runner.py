@@ -1,0 +1,92 @@
+"""Chapter 7: the model runner — the one door between the engine and the model.
+
+The engine decides (the scheduler's plan: tokens, positions, slots, block tables, how to sample); the
+runner computes. It owns the model's weights, the physical KV pool and the CUDA graphs, and runs a plan in
+ONE forward pass of its own choosing:
+
+    prompts (or chunks) in the step   -> prefill_batch, the step's decodes riding along as extra rows
+    decodes alone, on a GPU           -> the CUDA graph of their batch size (chapter 7)
+    decodes alone, on a CPU (or eager)-> decode_batch
+
+then samples (sampler.py) and hands back a StepOutput on the host: per sequence of the plan, its token
+and, where asked, its logprobs. vLLM's GPUModelRunner.execute_model and nano-vllm's ModelRunner.run draw
+the same line. A step is two halves, launch and finish: on a GPU launch returns while the kernels run, so
+the engine core can send the previous step's tokens meanwhile (engine_core.py).
+"""
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import NamedTuple
+
+from tinyvllm.model.backend import resolve_device
+from tinyvllm.model.decode import decode_batch
+from tinyvllm.model.kv_pool import PagedKVPool, pool_blocks
+from tinyvllm.model.model import Model
+from tinyvllm.model.prefill import prefill_batch
+from tinyvllm.model.sampler import sample_step
+from tinyvllm.model.step_plan import StepOutput, StepPlan
+
+
+class Launched(NamedTuple):
+    """A step whose forward pass is queued: its plan, and the logits of its rows the device may still compute
+    (one row per SeqStep: every prefill's last token, then every decode)."""
+    plan: StepPlan
+    logits: object
+
+
+class ModelRunner:
+    resolve_device = staticmethod(resolve_device)   # "auto" -> "cuda" or "cpu": the engine asks before loading
+
+    def __init__(self, model: Model, pool: PagedKVPool):
+        """A model and the pool its K/V live in; decode steps run eagerly until use_cuda_graphs()."""
+        self.model, self.pool = model, pool
+        self.decode = lambda steps: decode_batch(model, pool, steps)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str, max_model_len: int, max_step_tokens: int,
+             num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+             batch_invariant: bool = False) -> ModelRunner:
+        """Weights and step buffers first, then the KV pool in the memory that is left (chapter 6), unless
+        num_blocks says how many blocks."""
+        model = Model(model_dir, device, max_model_len=max_model_len, max_step_tokens=max_step_tokens,
+                      batch_invariant=batch_invariant)
+        num_blocks = num_blocks or pool_blocks(model.cfg, model.ops, gpu_memory_utilization)
+        return cls(model, PagedKVPool(model.cfg, model.ops, num_blocks))
+
+    def use_cuda_graphs(self, max_num_seqs: int) -> None:
+        """On a GPU, decode steps of up to max_num_seqs sequences replay a captured graph (chapter 7)."""
+        if self.model.device == "cuda":
+            from tinyvllm.model.cuda_graphs import GraphedDecode
+            self.decode = GraphedDecode(self.model, self.pool, max_num_seqs)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run the plan: every sequence's new tokens through the model, its K/V into the pool, and a token
+        sampled for each SeqStep whose sampling is set."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """The first half: queue the forward pass (on a GPU this returns before the kernels finish)."""
+        if plan.prefills:   # one pass for the whole step: the decodes ride along (no CUDA graph then)
+            logits = prefill_batch(self.model, self.pool, plan.prefills, decodes=plan.decodes)
+        elif plan.decodes:  # decodes alone: the CUDA graph of their batch size, on a GPU
+            logits = self.decode(plan.decodes)
+        else:
+            logits = None
+        return Launched(plan, logits)
+
+    def finish(self, launched: Launched) -> StepOutput:
+        """The second half: sample where the plan says, and bring the ids (and logprobs) to the host."""
+        plan, logits = launched
+        samplings = [s.sampling for s in plan.prefills + plan.decodes]
+        if logits is None or not any(samplings):
+            return StepOutput([None] * len(samplings), [None] * len(samplings))
+        return sample_step(logits, samplings)
+
+    def close(self) -> None:
+        """Drop the model, the pool and the graphs, and hand the memory back (on a GPU, CuPy keeps freed
+        memory for this process's next arrays until told otherwise)."""
+        ops = self.model.ops
+        self.model = self.pool = self.decode = None
+        gc.collect()  # an array caught in a reference cycle goes only when the collector runs: run it now
+        ops.free_cached_memory()

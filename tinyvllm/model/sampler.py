@@ -1,0 +1,141 @@
+"""Chapter 5: turning logits into the next token, as the request's SamplingParams say (engine/sampling.py).
+
+temperature 0 is greedy (argmax); otherwise the logits are divided by the temperature, cut by top-k and
+min-p, then by top-p among the survivors (vLLM's order), renormalized and drawn from. Before either, the
+penalties (presence, frequency, repetition) change the logits of tokens already seen, as in vLLM.
+It all runs where the logits are (NumPy or CuPy: the same code), so a GPU never copies a 128K-entry
+logits row to the host: only the chosen id comes back (and, when asked, the k+1 log-probabilities).
+The randomness is one uniform number per token from the request's own seeded generator on the host,
+turned into a token by inverting the kept tokens' cumulative distribution — so a seed gives the same
+tokens on every run.
+
+sample_step does it for a whole step (the model runner calls it): the plain greedy rows with one argmax,
+the others row by row, the logprobs of the rows that ask with one log-softmax; a row that fails is that
+row's alone.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.model.step_plan import Sampling, StepOutput
+
+
+def sample(logits, params, rng: np.random.Generator) -> int:
+    """One token id from a (vocab,) logits vector, a NumPy or CuPy array."""
+    xp = array_module(logits)
+    if params.temperature == 0:
+        return int(xp.argmax(logits))
+    z = logits.astype(xp.float64) / params.temperature  # float64: exp of large logits stays accurate
+    probs = xp.exp(z - z.max())
+    probs /= probs.sum()
+    if params.top_k <= 0 and params.min_p == 0 and params.top_p == 1:  # nothing to cut: no sort needed
+        order, cdf, kept = None, xp.cumsum(probs), len(probs)
+    else:
+        order = xp.argsort(-probs, kind="stable") if xp is np else xp.argsort(-probs)  # most likely first
+        sorted_probs = probs[order]
+        keep = xp.ones(sorted_probs.shape, dtype=bool)
+        if params.top_k > 0:
+            keep[params.top_k:] = False
+        if params.min_p > 0:
+            keep &= sorted_probs >= params.min_p * sorted_probs[0]
+        if params.top_p < 1:  # as vLLM: top-p measures mass among the tokens top-k and min-p kept
+            mass = xp.where(keep, sorted_probs, 0.0) / sorted_probs[keep].sum()
+            keep &= (xp.cumsum(mass) - mass) < params.top_p  # keep a token if the mass before it is below top_p
+        cdf, kept = xp.cumsum(xp.where(keep, sorted_probs, 0.0)), int(keep.sum())
+    u = rng.random() * float(cdf[-1])  # the one number that crosses from the host
+    i = min(int(xp.searchsorted(cdf, u, side="right")), kept - 1)  # never past the kept tokens
+    return int(i if order is None else order[i])
+
+
+# ---- penalties (vLLM's rule), applied to the logits before greedy or sampling ----
+
+def apply_penalties(logits, params, prompt_ids: list[int], output_ids: list[int]):
+    """A penalized float32 copy of one (vocab,) logits row (the raw row stays, for logprobs). Repetition:
+    every token seen in the prompt or the output has a positive logit divided by repetition_penalty, a
+    negative one multiplied. Then, over the output only: minus frequency x count, minus presence if seen.
+    Only the ids of seen tokens and their counts cross to the device."""
+    xp = array_module(logits)
+    row = logits.astype(xp.float32)  # a copy: the raw logits must survive for logprobs
+    if params.repetition_penalty != 1:
+        seen = xp.asarray(np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64)))
+        hit = row[seen]
+        row[seen] = xp.where(hit > 0, hit / params.repetition_penalty, hit * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+        cut = params.frequency_penalty * counts + params.presence_penalty
+        row[xp.asarray(ids)] -= xp.asarray(cut.astype(np.float32))
+    return row
+
+
+# ---- logprobs (vLLM's raw_logprobs: from the model's logits, before penalties, temperature, top-k/p) ----
+
+def raw_logprobs(logits, tokens: list[int], k: int):
+    """Log-softmax of a (rows, vocab) batch of logits, reduced where it is: per row the k likeliest
+    tokens (ids and logprobs, in no particular order) and the sampled token's logprob and rank.
+    Returns four arrays on the logits' device; only (rows, k + 2) numbers need to cross to the host."""
+    xp, k = array_module(logits), min(k, logits.shape[1])
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    lp = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+    chosen = lp[xp.arange(len(tokens)), xp.asarray(tokens)]
+    ranks = 1 + (lp > chosen[:, None]).sum(axis=1)
+    top = xp.argpartition(-lp, k - 1, axis=1)[:, :k] if k else xp.zeros((len(tokens), 0), dtype=xp.int64)
+    return top, xp.take_along_axis(lp, top, axis=1), chosen, ranks
+
+
+def array_module(a):
+    """numpy for NumPy arrays, cupy for CuPy arrays (without importing CuPy on the CPU)."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+# ---- a whole step: what the model runner calls ----
+
+def sample_step(logits, samplings: list[Sampling | None]) -> StepOutput:
+    """Row i of logits (rows, vocab), on the device, drawn as samplings[i] says (None: no token). Only ids
+    and the asked logprobs reach the host. A row whose sampling or logprobs fail gets None and its error."""
+    tokens: list[int | None] = [None] * len(samplings)
+    errors: dict[int, Exception] = {}
+    plain = [i for i, s in enumerate(samplings) if s is not None and is_plain_greedy(s.params)]
+    if plain:   # the greedy rows without penalties, all with ONE argmax (no gather when every row is one)
+        rows = logits if len(plain) == len(samplings) else logits[plain]
+        for i, token in zip(plain, to_host(rows.argmax(axis=1)).tolist()):
+            tokens[i] = token
+    for i, s in enumerate(samplings):
+        if s is not None and tokens[i] is None:
+            try:
+                row = apply_penalties(logits[i], s.params, s.prompt_ids, s.output_ids) \
+                    if s.params.has_penalties else logits[i]
+                tokens[i] = sample(row, s.params, s.rng)
+            except Exception as e:   # this row's alone: the others go on
+                errors[i] = e
+    return StepOutput(tokens, step_logprobs(logits, samplings, tokens, errors), errors)
+
+
+def step_logprobs(logits, samplings: list[Sampling | None], tokens: list[int | None],
+                  errors: dict[int, Exception]) -> list[tuple | None]:
+    """For the rows that asked, from ONE log-softmax over those rows of the raw logits: (the sampled token's
+    logprob, its rank, the top ids, their logprobs), on the host. A failure fails every row in the batch."""
+    out: list[tuple | None] = [None] * len(samplings)
+    asked = [i for i, s in enumerate(samplings) if s is not None and s.params.logprobs is not None
+             and i not in errors]
+    if not asked:
+        return out
+    try:
+        k = max(samplings[i].params.logprobs for i in asked)
+        top, values, chosen, ranks = (to_host(a) for a in raw_logprobs(logits[asked], [tokens[i] for i in asked], k))
+    except Exception as e:   # a batch operation: every row in it fails, the other rows go on
+        errors.update({i: e for i in asked})
+        return out
+    for r, i in enumerate(asked):
+        out[i] = (chosen[r], ranks[r], top[r], values[r])
+    return out
+
+
+def is_plain_greedy(params) -> bool:
+    return params.temperature == 0 and not params.has_penalties
+
+
+def to_host(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.get()
