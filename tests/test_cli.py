@@ -275,3 +275,26 @@ def test_generate_without_a_prompt_or_with_a_missing_file_is_one_line(tmp_path):
     for args, message in [((), "give a prompt"), (("--file", str(tmp_path / "nope.txt")), "cannot read --file")]:
         run = tinyvllm("generate", *args, check=False)
         assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_every_engine_setting_is_a_flag_of_every_engine_command(command):
+    """The engine flags are made from EngineConfig's fields: a new setting cannot be forgotten by the CLI."""
+    from tinyvllm.engine.engine_config import EngineConfig
+    from tinyvllm.entrypoints.cli import build_parser, engine_config
+    flags = ["--enforce-eager", "--no-enable-prefix-caching", "--max-num-seqs", "7", "--device", "cpu"]
+    args = build_parser().parse_args([command, *flags] + (["hi"] if command == "generate" else []))
+    config = engine_config(args)
+    assert (config.enforce_eager, config.enable_prefix_caching, config.max_num_seqs, config.device) == \
+        (True, False, 7, "cpu")
+    assert {n: getattr(config, n) for n in EngineConfig.names() if n not in ("enforce_eager", "enable_prefix_caching",
+            "max_num_seqs", "device")} == {n: getattr(EngineConfig(), n) for n in EngineConfig.names()
+                                           if n not in ("enforce_eager", "enable_prefix_caching", "max_num_seqs",
+                                                        "device")}, "a flag's default differs from EngineConfig's"
+
+
+def test_llm_refuses_a_setting_it_does_not_have_in_one_line():
+    from tinyvllm import LLM
+    from tinyvllm.errors import TinyVLLMError
+    with pytest.raises(TinyVLLMError, match=r"unknown settings \['max_num_seq'\]"):
+        LLM("default", max_num_seq=4)

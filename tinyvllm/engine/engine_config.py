@@ -7,7 +7,7 @@ file reads the clamped values. Picklable: `serve` sends it to the engine process
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.config import LlamaConfig
@@ -40,21 +40,35 @@ def default_step_tokens(device: str, cfg: LlamaConfig) -> int:
     return min(MAX_STEP_TOKENS["cpu"], max(BLOCK_SIZE, tokens))
 
 
+def setting(default, help: str, choices: tuple | None = None):
+    """An EngineConfig field with its help text: the CLI's flag (--the-name) is made from it, for every command."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "default"                       # "default", a synthetic preset, or a model directory
-    device: str = "auto"                         # "auto", "cpu" or "cuda"
-    max_model_len: int | None = None             # context window: None = the model's, lowered to the pool's
-    num_blocks: int | None = None                # KV pool blocks of 16 tokens: None = what memory allows
-    gpu_memory_utilization: float = 0.9          # share of the GPU's memory for weights, buffers and the pool
-    max_num_seqs: int = 256                      # sequences running at once
-    max_num_batched_tokens: int | None = None    # the token budget of a step (its buffers' rows): None = the
-                                                 # device's default_step_tokens; longer prompts go in chunks
-    enable_prefix_caching: bool = True           # vLLM v1's default: full blocks shared between prompts
-    enforce_eager: bool = False                  # no CUDA graphs for decode
-    batch_invariant: bool = False                # a sequence's logits never depend on its batch (slower)
-    long_prefill_token_threshold: int | None = None  # the most tokens one prompt takes of a step: None = a
-                                                 # share of the budget, LONG_PREFILL_SHARE (the rest admits others)
+    """Every engine setting, in one place: LLM(model, **settings), the CLI's engine flags and `serve` all
+    build this; `clamped` fits it to the model and the machine."""
+    model: str = setting("default", "'default' (SmolLM2-135M-Instruct), a synthetic preset, or a HF model directory")
+    device: str = setting("auto", "where the model runs: a GPU if CuPy sees one (auto), or this one",
+                          ("auto", "cpu", "cuda"))
+    max_model_len: int | None = setting(None, "context window (default: the model's, lowered to what the KV "
+                                              "cache pool holds)")
+    num_blocks: int | None = setting(None, "KV cache blocks of 16 tokens (default: what memory allows)")
+    gpu_memory_utilization: float = setting(0.9, "fraction of GPU memory for weights, buffers and the KV cache")
+    max_num_seqs: int = setting(256, "sequences running at once (a decode step's rows)")
+    max_num_batched_tokens: int | None = setting(
+        None, f"a step's token budget (its buffers' rows); longer prompts are prefilled in chunks (default: "
+              f"{MAX_STEP_TOKENS['cuda']} on a GPU; on the CPU, from the model's size: 64 for SmolLM2-135M)")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes seen before (shared "
+                                                "system prompts, n > 1): vLLM v1's default")
+    enforce_eager: bool = setting(False, "no CUDA graphs for decode steps (slower; for debugging)")
+    batch_invariant: bool = setting(False, "a request's output never depends on what else is batched with it "
+                                           "(slower: kernels that sum in one fixed order)")
+    long_prefill_token_threshold: int | None = setting(
+        None, "the most tokens of one prompt a step computes, so that short prompts start beside a long one "
+              f"(default: a share of the budget, 1/{LONG_PREFILL_SHARE['cpu']} on the CPU, "
+              f"1/{LONG_PREFILL_SHARE['cuda']} on a GPU)")
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",

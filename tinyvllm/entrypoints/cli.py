@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 
-from tinyvllm.engine.engine_config import LONG_PREFILL_SHARE, MAX_STEP_TOKENS
+from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.errors import TinyVLLMError
 
 
@@ -30,6 +31,25 @@ def _port(text: str) -> int:
     return int(text)
 
 
+FLAG_TYPES = {"int | None": _positive_int, "int": _positive_int, "float": float, "str": str}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """--the-name for every EngineConfig field, with its default and help text (engine_config.py says them)."""
+    for f in fields(EngineConfig):
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        if f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+        else:
+            parser.add_argument(flag, type=FLAG_TYPES[f.type], default=f.default, choices=meta["choices"],
+                                help=meta["help"])
+
+
+def engine_config(args) -> EngineConfig:
+    """The EngineConfig the command line asked for."""
+    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.names()})
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --debug is accepted before or after the command; SUPPRESS keeps a subcommand from resetting it
     debug = argparse.ArgumentParser(add_help=False)
@@ -37,27 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tinyvllm", description="A small vLLM for Llama models, for learning.", parents=[debug])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    # what builds an LLM: shared by generate and chat
+    # what builds an engine: shared by generate, chat and serve, one flag per EngineConfig field
     engine = argparse.ArgumentParser(add_help=False)
-    engine.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF model directory")
-    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    engine.add_argument("--num-blocks", type=_positive_int, help="KV cache blocks of 16 tokens (default: from memory)")
-    engine.add_argument("--max-model-len", type=_positive_int, help="context window (default: the model's)")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of GPU memory for weights, buffers and the KV cache")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV blocks of prompt prefixes seen before (shared system prompts, n > 1)")
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int,
-                        help="a step's token budget; longer prompts are prefilled in chunks (default: "
-                             f"{MAX_STEP_TOKENS['cuda']} on a GPU; on the CPU, from the model's size: 64 for "
-                             "SmolLM2-135M)")
-    engine.add_argument("--long-prefill-token-threshold", type=_positive_int,
-                        help="the most tokens of one prompt a step computes, so that short prompts start beside "
-                             "a long one (default: a share of the budget, "
-                             f"1/{LONG_PREFILL_SHARE['cpu']} on the CPU, 1/{LONG_PREFILL_SHARE['cuda']} on a GPU)")
-    engine.add_argument("--batch-invariant", action="store_true",
-                        help="a request's output never depends on what else is batched with it (slower: "
-                             "kernels that sum in one fixed order)")
+    add_engine_flags(engine)
 
     gen = sub.add_parser("generate", parents=[debug, engine],
                          help="answer a prompt, streaming the text (several prompts: batched together)")
@@ -83,7 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
                            help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 listens on every interface")
     serve.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
-    serve.add_argument("--max-num-seqs", type=_positive_int, default=256, help="sequences decoded together")
     serve.add_argument("--max-queue", type=_positive_int, default=256,
                        help="requests allowed to wait for a slot; past it a request gets 429")
     serve.add_argument("--api-key", default=None,
@@ -118,12 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_llm(args, **settings):
+def build_llm(args):
     from tinyvllm.entrypoints.llm import LLM
-    return LLM(args.model, device=args.device, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
-               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-               max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant,
-               long_prefill_token_threshold=args.long_prefill_token_threshold, **settings)
+    return LLM.from_config(engine_config(args))
 
 
 def cmd_generate(args) -> None:
@@ -194,13 +192,9 @@ def cmd_serve(args) -> None:
     # with SIGINT ignored: Python would keep ignoring it
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    from tinyvllm.engine.engine_config import EngineConfig
     from tinyvllm.entrypoints.server import Server, announce
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = EngineConfig(args.model, args.device, args.max_model_len, args.num_blocks, args.gpu_memory_utilization,
-                          args.max_num_seqs, args.max_num_batched_tokens, args.enable_prefix_caching,
-                          batch_invariant=args.batch_invariant,
-                          long_prefill_token_threshold=args.long_prefill_token_threshold)
+    config = engine_config(args)
     from tinyvllm.entrypoints.api_servers import default_api_server_count, serve_many
     from tinyvllm.model.backend import resolve_device
     count = args.api_server_count or default_api_server_count(resolve_device(args.device))

@@ -57,14 +57,23 @@ class RequestOutput:
 class LLM:
     """llm.engine is the engine (scheduler, KV pool, step loop); llm.model the model it runs."""
 
-    def __init__(self, model: str = "default", device: str = "auto", max_model_len: int | None = None,
-                 num_blocks: int | None = None, gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = False, batch_invariant: bool = False,
-                 long_prefill_token_threshold: int | None = None):
-        self.engine = Engine.from_config(EngineConfig(model, device, max_model_len, num_blocks, gpu_memory_utilization,
-                                                      max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-                                                      enforce_eager, batch_invariant, long_prefill_token_threshold))
+    def __init__(self, model: str = "default", **settings):
+        """model: 'default', a synthetic preset or a HF model directory; settings: any EngineConfig field
+        (device, max_model_len, num_blocks, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, enforce_eager, batch_invariant, long_prefill_token_threshold), as in vLLM."""
+        unknown = sorted(set(settings) - set(EngineConfig.names()))
+        if unknown:
+            raise TinyVLLMError(f"LLM() got unknown settings {unknown}; the settings are {EngineConfig.names()[1:]}")
+        self._start(EngineConfig(model=model, **settings))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = Engine.from_config(config)
         self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
         self.model_config, self.model_dir = self.model.cfg, self.model.model_dir
         self.device, self.max_model_len = self.engine.config.device, self.engine.max_model_len
