@@ -54,7 +54,8 @@ def bounded_cost(context, case):
     limit at all: up to the context window), n up to 16 and any number of prompts; on a CPU at ~0.1 s a
     decode step, that is minutes per request instead of a fuzzer's milliseconds. The fields stay fuzzed
     (nothing is excluded): only their sizes shrink, and every change keeps a valid body valid and an invalid
-    one invalid, so negative testing is untouched: a max_tokens that is not an integer, or is below 1, stays
+    one invalid, so negative testing is untouched (JSON's 4.0 is the integer 4, and is capped as one): a max_tokens
+    that is not an integer, or is below 1, stays
     as generated; an n past MAX_N stays (the server must refuse it); best_of follows n; a list of prompts
     keeps at least one. (A map_case hook, not map_body: the coverage phase applies only case hooks.)"""
     body = case.body
@@ -64,12 +65,13 @@ def bounded_cost(context, case):
     keys = ("max_tokens", "max_completion_tokens") if case.path.endswith("/chat/completions") else ("max_tokens",)
     for key in keys:
         value = body.get(key)
-        if key in body and (value is None or (type(value) is int and value > MAX_REPLY_TOKENS)):
+        whole = type(value) is int or (type(value) is float and value.is_integer())   # 4.0 is the integer 4
+        if key in body and (value is None or (whole and value > MAX_REPLY_TOKENS)):
             body[key] = MAX_REPLY_TOKENS
     if not any(key in body for key in keys):
         body["max_tokens"] = MAX_REPLY_TOKENS   # absent: 16 for completions, the context window for chat
     n = body.get("n")
-    if type(n) is int and MAX_SAMPLES < n <= MAX_N:
+    if type(n) in (int, float) and MAX_SAMPLES < n <= MAX_N and n == int(n):
         body["n"] = MAX_SAMPLES
         if body.get("best_of") == n:
             body["best_of"] = MAX_SAMPLES
@@ -166,7 +168,7 @@ def openai_success_shape(ctx, response, case):
 # What a schema cannot say: rules that depend on the model served or tie one field's value to another's. A 400
 # naming one of these is the only refusal a schema-valid request may get (positive_data_acceptance).
 MODEL_RULES = ("is outside the vocabulary",      # a token id, checked against the model's vocabulary
-               "tokens; this model's context",    # a prompt's length in tokens, against the context window
+               "context window",                  # a prompt's tokens (and max_tokens more), against the window
                "best_of other than n")             # best_of must equal n: JSON Schema cannot compare two fields
 
 
