@@ -285,6 +285,9 @@ def one_line(e: BaseException) -> str:
     return (str(e) or type(e).__name__).splitlines()[0]
 
 
+FAILED_LINGER_MS = 30_000   # how long a failed engine waits for its API servers to take the reason why
+
+
 def run_engine_core(config: EngineConfig, *addresses: str) -> None:
     """The engine process's main: build the LLM, say ready (or why not), loop until shut down.
     addresses: a (commands, reports) pair per API-server process; one PULL socket reads every commands one."""
@@ -305,7 +308,10 @@ def run_engine_core(config: EngineConfig, *addresses: str) -> None:
     except Exception as e:   # a bad model path or file: the API side reports it as the user's mistake
         if not isinstance(e, TinyVLLMError):
             log.exception("the engine failed to start")
-        return tell_all(("failed", one_line(e), isinstance(e, TinyVLLMError)))
+        tell_all(("failed", one_line(e), isinstance(e, TinyVLLMError)))
+        for socket in reports:   # API servers still starting (slow imports on a busy machine) bind later: wait
+            socket.close(linger=FAILED_LINGER_MS)
+        return context.term()
     tell_all(("ready", engine_info(engine)))
     EngineCore(engine, commands, reports).run()
     tell_all(("closed",))                     # the API side's reader stops on it

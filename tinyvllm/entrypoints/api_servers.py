@@ -124,15 +124,15 @@ def wait_ready(ready, servers: list, engine) -> dict:
                 index, info, error, user_mistake = ready.get(timeout=CHECK_S)
                 break
             except Empty:
-                if engine.poll() is not None or time.monotonic() > deadline:
-                    try:   # why it stopped comes through the API servers, perhaps a moment after it exits
+                server_gone = not all(server.is_alive() for server in servers)
+                if engine.poll() is not None or server_gone or time.monotonic() > deadline:
+                    try:   # why it stopped comes through the API servers, perhaps a moment after a process exits
                         index, info, error, user_mistake = ready.get(timeout=READY_GRACE_S)
                         break
                     except Empty:
-                        raise TinyVLLMError("the engine process stopped while loading the model; run with "
+                        raise TinyVLLMError("an API-server process stopped while starting" if server_gone else
+                                            "the engine process stopped while loading the model; run with "
                                             "--debug to see why") from None
-                if not all(server.is_alive() for server in servers):
-                    raise TinyVLLMError("an API-server process stopped while starting") from None
         if error is not None:
             raise TinyVLLMError(error) if user_mistake else RuntimeError(f"the engine failed to start: {error}")
     return info
