@@ -99,14 +99,14 @@ class Tinyvllm:
         self.llm, self.ids, self.steps = llm, ids, steps
 
     def prefill(self) -> int:
-        blocks = self.llm.engine.scheduler.blocks  # the engine's own books and pool: what a request would use
+        blocks = self.llm.engine.scheduler.block_manager  # the engine's own books and pool: what a request would use
         if self.seq in blocks.lengths:  # each call starts a fresh sequence
             blocks.free(self.seq)
         step = plan_prefill(blocks, self.seq, self.ids)
         return int(np.argmax(prefill_batch(self.llm.model, self.llm.engine.pool, [step])[0]))
 
     def step(self, token: int) -> int:
-        plan = plan_decode(self.llm.engine.scheduler.blocks, [self.seq], [token])
+        plan = plan_decode(self.llm.engine.scheduler.block_manager, [self.seq], [token])
         return int(np.argmax(decode_batch(self.llm.model, self.llm.engine.pool, plan)[0]))
 
 

@@ -120,20 +120,22 @@ def gemm_params_into_slice_mutating(T: int, N: int, K: int, row_stride: int) -> 
     return p
 
 
-# ---- 7.1: the cached prefix of the prompt only; and a right answer in the docstring's own order ----
+# ---- 7.1: the chunk's blocks without its cached prefix; and a right answer in the docstring's own order ----
 
-def admit_prompt_cache_only(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
-    blocks = scheduler.blocks
+def admit_chunk_blocks_only(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
+    """Wrong: asks blocks_to_admit about the chunk's tokens alone, forgetting the cached ones before it (a
+    cached prefix then seems to make the chunk's own blocks free)."""
+    block_manager = scheduler.block_manager
     while scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs and budget > 0:
         seq = scheduler.waiting[0]
-        cached = blocks.cached_tokens(seq.prompt_ids)
-        count = min(len(seq) - cached, budget, scheduler.long_prefill_token_threshold)
-        need = blocks.blocks_to_admit(seq.token_ids[:cached + count])
+        hit = block_manager.lookup(seq)
+        count = min(len(seq) - hit.tokens, budget, scheduler.long_prefill_token_threshold)
+        need = block_manager.blocks_to_admit(hit, count)
         if need > free:
             break
         scheduler.waiting.popleft()
         seq.status, free, budget = Status.RUNNING, free - need, budget - count
-        seq.num_cached = seq.num_computed = blocks.admit(seq.seq_id, seq.token_ids)
+        seq.num_cached = seq.num_computed = block_manager.admit(seq.seq_id, hit)
         scheduler.running.append(seq)
         step.prefills.append(seq)
         step.chunks.append(count)
@@ -141,20 +143,20 @@ def admit_prompt_cache_only(scheduler: Scheduler, step: Step, free: int, budget:
 
 def admit_in_docstring_order(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
     """Right: count and blocks first, then every check at once (with the budget spent, count is 0 and it asks
-    blocks_to_admit about no tokens)."""
-    blocks = scheduler.blocks
+    blocks_to_admit about the cached tokens alone)."""
+    block_manager = scheduler.block_manager
     while scheduler.waiting:
         seq = scheduler.waiting[0]
-        cached = blocks.cached_tokens(seq.token_ids)
-        count = min(len(seq) - cached, budget, scheduler.long_prefill_token_threshold)
-        need = blocks.blocks_to_admit(seq.token_ids[:cached + count])
+        hit = block_manager.lookup(seq)
+        count = min(len(seq) - hit.tokens, budget, scheduler.long_prefill_token_threshold)
+        need = block_manager.blocks_to_admit(hit, hit.tokens + count)
         if not (len(scheduler.running) < scheduler.max_num_seqs and budget > 0 and need <= free):
             return
         scheduler.waiting.popleft()
         seq.status = Status.RUNNING
         free -= need
         budget -= count
-        seq.num_cached = seq.num_computed = blocks.admit(seq.seq_id, seq.token_ids)
+        seq.num_cached = seq.num_computed = block_manager.admit(seq.seq_id, hit)
         scheduler.running.append(seq)
         step.prefills.append(seq)
         step.chunks.append(count)
@@ -212,7 +214,7 @@ MUTANTS = {
                                          {"online_softmax_attention": online_softmax_attention_max_from_zero}),
     "gemm_params cached, its dict changed": Mutant(4, "4.2 gemm_params_into_slice", {
         "gemm_params": gemm_params_cached, "gemm_params_into_slice": gemm_params_into_slice_mutating}),
-    "admit: prompt's cache only": Mutant(7, "7.1 admit", {"admit": admit_prompt_cache_only}),
+    "admit: the chunk's blocks only": Mutant(7, "7.1 admit", {"admit": admit_chunk_blocks_only}),
     "admit in the docstring's order": Mutant(7, "7.1 admit", {"admit": admit_in_docstring_order}, correct=True),
     "admit without the long-prefill cap": Mutant(7, "7.1 admit", {"admit": admit_without_the_cap}),
     "choose_victim by arrival": Mutant(7, "7.2 choose_victim", {"choose_victim": choose_victim_by_arrival}),

@@ -42,7 +42,7 @@ def test_sixteen_prompts_together_equal_each_alone(llm, prompts, alone):
     engine = llm.engine
     steps = engine.trace_since(engine.steps - len(max(alone, key=len)) - 2)
     assert max(len(s["decode"]) for s in steps) == 16          # really batched: all 16 decoding at once
-    assert llm.engine.scheduler.blocks.num_free == 400
+    assert llm.engine.scheduler.block_manager.num_free == 400
 
 
 def test_preemption_in_a_tiny_pool_changes_no_answer(default_model_dir, prompts, alone):
@@ -50,7 +50,7 @@ def test_preemption_in_a_tiny_pool_changes_no_answer(default_model_dir, prompts,
     outs = tiny.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == alone
     assert sum(o.timings["preemptions"] for o in outs) > 0, "the pool was meant to run out"
-    assert tiny.engine.scheduler.blocks.num_free == 24 and not tiny.engine.scheduler.blocks.tables
+    assert tiny.engine.scheduler.block_manager.num_free == 24 and not tiny.engine.scheduler.block_manager.tables
 
 
 def test_prefix_caching_on_a_shared_system_prompt(default_model_dir):
@@ -62,8 +62,9 @@ def test_prefix_caching_on_a_shared_system_prompt(default_model_dir):
     first = cached.chat(convs[:1], GREEDY)                 # fills the cache with the system prompt's blocks
     rest = cached.chat(convs[1:], GREEDY)
     assert [o.token_ids for o in first + rest] == expected
-    blocks = cached.engine.scheduler.blocks
-    assert blocks.hits >= 5 * (len(cached.tokenizer.apply_chat_template(convs[0][:1])) // 16)
+    system_blocks = len(cached.tokenizer.apply_chat_template(convs[0][:1])) // 16
+    assert cached.engine.scheduler.cache_stats.hits >= 5 * system_blocks * 16   # in tokens
+    blocks = cached.engine.scheduler.block_manager
     assert blocks.num_free == 200 and not blocks.tables     # cached blocks are evictable, so they count as free
 
 
@@ -89,7 +90,7 @@ def test_soak_thousand_requests_random_arrivals(tiny_llama_dir):
         step += 1
     assert all(s.status is Status.FINISHED and len(s.output_ids) == s.params.max_tokens for s in seqs)
     assert admitted == sorted(admitted), "a request was admitted before one that arrived earlier"
-    assert llm.engine.scheduler.blocks.num_free == 120 and not llm.engine.scheduler.blocks.tables
+    assert llm.engine.scheduler.block_manager.num_free == 120 and not llm.engine.scheduler.block_manager.tables
     assert preempted, "the soak was meant to preempt"
 
 

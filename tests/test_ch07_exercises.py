@@ -19,7 +19,7 @@ import pytest
 
 from tests.numeric import same
 from tinyvllm.engine import scheduler as scheduler_module
-from tinyvllm.engine.block_manager import BlockManager, blocks_for
+from tinyvllm.engine.block_manager import BlockManager, PrefixHit, blocks_for
 from tinyvllm.engine.prefix_cache import PrefixCachingBlockManager
 from tinyvllm.engine.sampling import SamplingParams
 from tinyvllm.engine.scheduler import Scheduler, Step
@@ -43,25 +43,22 @@ class FakeBlocks:
         self.extend = extend or {}           # seq id -> blocks_to_extend (default 0)
         self.append = append or {}           # seq id -> blocks_to_append (default 0)
         self.held = dict(held or {})         # seq id -> blocks it holds, given back by free()
-        self.admitted, self.freed = [], []
+        self.admitted, self.freed, self.lookups = [], [], []
 
-    def _shared(self, token_ids: list[int]) -> int:
-        """Cached blocks a new sequence starting with these tokens shares."""
-        if not token_ids:
-            return 0
-        return min(self.cached.get(token_ids[0], 0) // BLOCK_SIZE, (len(token_ids) - 1) // BLOCK_SIZE)
+    def lookup(self, seq: Sequence) -> PrefixHit:
+        """The cached blocks a new sequence shares (fake ids: (owner, index)), as the real lookup finds them."""
+        self.lookups.append(seq.seq_id)
+        owner = seq.token_ids[0]
+        shared = min(self.cached.get(owner, 0) // BLOCK_SIZE, (len(seq) - 1) // BLOCK_SIZE)
+        return PrefixHit([(owner, i) for i in range(shared)], len(seq))
 
-    def blocks_to_admit(self, token_ids: list[int]) -> int:
-        shared = self._shared(token_ids)
-        reviving = shared if token_ids and token_ids[0] in self.unused else 0
-        return blocks_for(len(token_ids)) - shared + reviving
+    def blocks_to_admit(self, hit: PrefixHit, num_tokens: int) -> int:
+        reviving = len(hit.blocks) if hit.blocks and hit.blocks[0][0] in self.unused else 0
+        return blocks_for(num_tokens) - len(hit.blocks) + reviving
 
-    def admit(self, seq: int, token_ids: list[int]) -> int:
+    def admit(self, seq: int, hit: PrefixHit) -> int:
         self.admitted.append(seq)
-        return self._shared(token_ids) * BLOCK_SIZE
-
-    def cached_tokens(self, token_ids: list[int]) -> int:
-        return self._shared(token_ids) * BLOCK_SIZE
+        return hit.tokens
 
     def blocks_to_extend(self, seq: int, count: int) -> int:
         return self.extend.get(seq, 0) if count else 0
@@ -84,7 +81,7 @@ def make_scheduler(blocks: FakeBlocks, max_num_seqs: int = 8, budget: int = 1000
     """A Scheduler with these (seq_id, prompt length[, output length]) running (decoding: all their tokens
     but the newest in the pool) and waiting."""
     sched = Scheduler(1, max_num_seqs, budget)
-    sched.blocks = blocks                    # the fake stands in for the scheduler's own block manager
+    sched.block_manager = blocks             # the fake stands in for the scheduler's own block manager
     for spec in running:
         seq = make_seq(*spec)
         seq.status, seq.num_computed = Status.RUNNING, len(seq) - 1
@@ -111,9 +108,9 @@ def test_admit_takes_the_queue_in_order_while_everything_fits(impl):
     assert ids(sched.running) == [10, 11, 0, 1, 2, 3, 4], "admitted sequences go to the END of running"
     assert not sched.waiting, f"everyone fits: nobody should be left waiting, got {ids(sched.waiting)}"
     same([s.status for s in sched.running], [Status.RUNNING] * 7, "the status of every running sequence")
-    assert blocks.admitted == [0, 1, 2, 3, 4], "blocks.admit(seq_id, token_ids) once per admitted sequence"
+    assert blocks.admitted == [0, 1, 2, 3, 4], "block_manager.admit(seq_id, hit) once per admitted sequence"
     same([(s.num_cached, s.num_computed) for s in step.prefills], [(0, 0)] * 5,
-         "(num_cached, num_computed) of each admitted sequence (nothing is cached: blocks.admit returned 0)")
+         "(num_cached, num_computed) of each admitted sequence (nothing is cached: block_manager.admit returned 0)")
     assert step.decodes == [] and step.preempted == [], "admit only fills step.prefills and step.chunks"
 
 
@@ -129,7 +126,7 @@ def test_admit_stops_at_the_first_that_does_not_fit_nobody_overtakes(impl):
     assert ids(sched.waiting) == [1, 2], "a refused sequence stays at the head of the queue"
     assert isinstance(sched.waiting, deque), f"scheduler.waiting must stay a deque, got {type(sched.waiting).__name__}"
     same([s.status for s in sched.waiting], [Status.WAITING] * 2, "the status of the sequences still waiting")
-    assert blocks.admitted == [0], "blocks.admit must not be called for a refused sequence"
+    assert blocks.admitted == [0], "block_manager.admit must not be called for a refused sequence"
     assert blocks.freed == [], "nothing is freed by admission"
 
 
@@ -195,7 +192,7 @@ def test_admit_splits_the_prompt_the_budget_cannot_hold(impl):
         "each computes min(its uncached tokens, the budget left): the third gets a chunk of 10"
     assert sum(step.chunks) <= 100, "the step's budget is `budget`, not max_num_batched_tokens"
     same(ids(sched.waiting), [3], "who is still waiting")
-    same(blocks.admitted, [0, 1, 2], "the sequences blocks.admit was called for")
+    same(blocks.admitted, [0, 1, 2], "the sequences block_manager.admit was called for")
     blocks = FakeBlocks(num_free=100)
     sched = make_scheduler(blocks, budget=1000, waiting=[(0, 60), (1, 40), (2, 1)])
     step = Step()
@@ -219,20 +216,20 @@ def test_admit_takes_at_most_the_long_prefill_threshold_of_one_prompt(impl):
 
 @pytest.mark.ch7
 def test_admit_with_no_budget_left_admits_nobody(impl):
-    """The decodes took the whole budget: nobody starts, and blocks.admit is not called."""
+    """The decodes took the whole budget: nobody starts, and block_manager.admit is not called."""
     blocks = FakeBlocks(num_free=100)
     sched = make_scheduler(blocks, waiting=[(0, 5)])
     step = Step()
     impl("admit")(sched, step, 100, 0)
     same(ids(step.prefills), [], "step.prefills with no budget left")
-    same(blocks.admitted, [], "the sequences blocks.admit was called for")
+    same(blocks.admitted, [], "the sequences block_manager.admit was called for")
     same(ids(sched.waiting), [0], "who is still waiting")
 
 
 @pytest.mark.ch7
 def test_admit_a_chunk_takes_the_blocks_of_the_chunk(impl):
     """A 200-token prompt with a budget of 40 computes 40 tokens now: it needs the 3 blocks of its
-    first 40 tokens (blocks_to_admit of token_ids[:40]), not the 13 of the whole prompt."""
+    first 40 tokens (blocks_to_admit(hit, 40)), not the 13 of the whole prompt."""
     blocks = FakeBlocks(num_free=3)
     sched = make_scheduler(blocks, waiting=[(0, 200)])
     step = Step()
@@ -250,7 +247,7 @@ def test_admit_cached_tokens_do_not_use_the_budget(impl):
     impl("admit")(sched, step, 100, 100)
     assert ids(step.prefills) == [0, 1, 2] and step.chunks == [12, 80, 8], \
         "only the tokens prefill computes (len - cached) use the budget"
-    assert [s.num_cached for s in step.prefills] == [48, 0, 0], "seq.num_cached = what blocks.admit returned"
+    assert [s.num_cached for s in step.prefills] == [48, 0, 0], "seq.num_cached = what block_manager.admit returned"
     assert [s.num_computed for s in step.prefills] == [48, 0, 0], "seq.num_computed starts at num_cached"
 
 
@@ -268,7 +265,7 @@ def test_admit_a_preempted_sequence_recomputes_all_its_tokens(impl):
         assert ids(step.prefills) == admitted, f"64 of its 70 tokens need 4 blocks; {free} are left"
     assert step.chunks == [64], "prompt AND output are recomputed: 70 tokens, 64 of them this step"
     assert step.prefills[0].num_computed == 0 and step.prefills[0].num_cached == 0, \
-        "a readmitted sequence starts over: num_cached and num_computed from blocks.admit, not from before"
+        "a readmitted sequence starts over: num_cached and num_computed from block_manager.admit, not from before"
 
 
 @pytest.mark.ch7
@@ -292,7 +289,7 @@ def test_admit_with_nobody_waiting_does_nothing(impl):
     step = Step()
     impl("admit")(sched, step, 10, 100)
     same((ids(step.prefills), ids(sched.running), blocks.admitted), ([], [3], []),
-         "(step.prefills, scheduler.running, blocks.admit calls) with nobody waiting")
+         "(step.prefills, scheduler.running, block_manager.admit calls) with nobody waiting")
 
 
 @pytest.mark.ch7
@@ -402,11 +399,11 @@ def real_manager(prefix_caching: bool, owner: int, cached: int, in_use: bool) ->
     `owner` (as FakeBlocks' sequence `owner` has it), held by a running sequence or left unused."""
     if not prefix_caching:
         return BlockManager(32)
-    real, ids = PrefixCachingBlockManager(32), [owner] * cached
+    real, holder = PrefixCachingBlockManager(32), Sequence(999, [owner] * cached, SamplingParams(), 64, set(), None)
     if cached:
-        real.admit(999, ids)
+        real.admit(999, real.lookup(holder))
         real.extend(999, cached)
-        real.cache_full_blocks(999, ids)
+        real.cache_full_blocks(holder)
         if not in_use:
             real.free(999)
     return real
@@ -415,20 +412,22 @@ def real_manager(prefix_caching: bool, owner: int, cached: int, in_use: bool) ->
 @pytest.mark.parametrize("prefix_caching, cached, in_use", [(False, 0, False), (True, 0, False), (True, 48, True),
                                                              (True, 48, False), (True, 16, False)])
 def test_fake_blocks_answers_as_the_real_block_managers(prefix_caching, cached, in_use):
-    """cached_tokens, blocks_to_admit and admit of every prefix of a sequence's tokens (the empty one too: an
-    admit that asks before checking the budget asks about no tokens) and of another sequence's."""
+    """lookup of a sequence of every length, blocks_to_admit of its hit for every number of tokens from none
+    to all of them (an admit that asks before checking the budget may ask about its cached tokens alone),
+    and admit: for the owner of the cached prefix and for another sequence."""
     owner = 5
-    for seq, length in [(s, n) for s in (owner, 6) for n in range(0, cached + 40)]:
+    for seq_id, length in [(s, n) for s in (owner, 6) for n in range(1, cached + 40)]:
         real = real_manager(prefix_caching, owner, cached, in_use)
         fake = FakeBlocks(real.num_free, cached={owner: cached} if prefix_caching else {},
                           unused=() if in_use else {owner})
-        token_ids = [seq] * length
-        what = f"{length} tokens of sequence {seq}, {cached} of sequence {owner}'s cached (in use: {in_use})"
+        seq = make_seq(seq_id, length)
+        what = f"{length} tokens of sequence {seq_id}, {cached} of sequence {owner}'s cached (in use: {in_use})"
         same(fake.num_free, real.num_free, f"num_free, {what}")
-        same(fake.cached_tokens(token_ids), real.cached_tokens(token_ids), f"cached_tokens, {what}")
-        same(fake.blocks_to_admit(token_ids), real.blocks_to_admit(token_ids), f"blocks_to_admit, {what}")
-        if length:
-            same(fake.admit(seq, token_ids), real.admit(seq, token_ids), f"admit, {what}")
+        fake_hit, real_hit = fake.lookup(seq), real.lookup(seq)
+        same(fake_hit.tokens, real_hit.tokens, f"lookup's tokens, {what}")
+        for n in range(fake_hit.tokens, length + 1):
+            same(fake.blocks_to_admit(fake_hit, n), real.blocks_to_admit(real_hit, n), f"blocks_to_admit(hit, {n}), {what}")
+        same(fake.admit(seq_id, fake_hit), real.admit(seq_id, real_hit), f"admit, {what}")
 
 
 # ---------- both, inside the engine ----------
@@ -477,4 +476,4 @@ def test_admit_and_choose_victim_in_the_engine_change_no_answer(impl, monkeypatc
     first = [s for i, s in enumerate(first) if s not in first[:i]]
     assert first == sorted(first), "a request started before one that arrived earlier"
     assert max(len(t["prefill"]) + len(t["decode"]) for t in trace) <= 6, "more than max_num_seqs ran in a step"
-    assert llm.engine.scheduler.blocks.num_free == 12 and not llm.engine.scheduler.blocks.tables, "blocks were not all given back"
+    assert llm.engine.scheduler.block_manager.num_free == 12 and not llm.engine.scheduler.block_manager.tables, "blocks were not all given back"

@@ -21,6 +21,7 @@ from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine import prefix_cache
 from tinyvllm.engine.block_manager import BlockManager, plan_decode, plan_prefill
 from tinyvllm.engine.prefix_cache import PrefixCachingBlockManager
+from tinyvllm.engine.sequence import Sequence
 from tinyvllm.model.kv_pool import PagedKVPool
 from tinyvllm.model.step_plan import BLOCK_SIZE
 from tinyvllm.model.model import Model
@@ -43,6 +44,11 @@ def test_chunk_boundaries_give_the_logits_of_one_prefill(tiny, chunks, rng):
     assert rel_err(chunked_logits(tiny, ids, chunks), whole) < 1e-5
 
 
+def sequence(seq_id: int, token_ids: list[int]) -> Sequence:
+    """A sequence without a model or a tokenizer: what a block manager's lookup reads."""
+    return Sequence(seq_id, token_ids, SamplingParams(), 64, set(), None)
+
+
 def test_a_chunk_after_a_prefix_cache_hit_gives_the_logits_of_one_prefill(tiny, rng):
     """The first prompt fills 3 blocks and names them; the second shares them and prefills its tail in
     two chunks, one ending inside a block."""
@@ -51,8 +57,8 @@ def test_a_chunk_after_a_prefix_cache_hit_gives_the_logits_of_one_prefill(tiny, 
     blocks = PrefixCachingBlockManager(50)
     pool = PagedKVPool(tiny.cfg, tiny.ops, 50)
     prefill_batch(tiny, pool, [plan_prefill(blocks, 0, first)])
-    blocks.cache_full_blocks(0, first)
-    assert blocks.admit(1, second) == 3 * BLOCK_SIZE
+    blocks.cache_full_blocks(sequence(0, first))
+    assert blocks.admit(1, blocks.lookup(sequence(1, second))) == 3 * BLOCK_SIZE
     tail = []
     for start, count in ((48, 21), (69, 19)):
         tail.append(prefill_batch(tiny, pool, [plan_prefill(blocks, 1, second, start, count)], all_logits=True))
@@ -156,7 +162,7 @@ def test_random_workloads_finish_within_the_budget_with_the_tokens_they_get_alon
     for t in llm.engine.trace_since(0):
         assert sum(t["chunks"]) + len(t["decode"]) <= budget, f"step {t['step']} computed past the budget"
         assert max(t["chunks"], default=0) <= cap, f"step {t['step']}: one prompt took more than the cap"
-    blocks = llm.engine.scheduler.blocks
+    blocks = llm.engine.scheduler.block_manager
     assert blocks.num_free == num_blocks and not blocks.tables, "blocks were not all given back"
 
 
@@ -195,11 +201,11 @@ def test_a_hash_collision_is_not_a_hit(monkeypatch, rng):
     blocks = PrefixCachingBlockManager(20)
     a = rng.integers(0, 1000, 3 * BLOCK_SIZE + 1).tolist()
     plan_prefill(blocks, 0, a)
-    blocks.cache_full_blocks(0, a)
-    other = [t + 1 for t in a]                        # different tokens, the same (colliding) hashes
-    assert blocks.cached_tokens(other) == 0 and blocks.admit(1, other) == 0
-    assert blocks.cached_tokens(a) == BLOCK_SIZE      # the same first block is a real hit; the next
-                                                      # blocks' hash points at block 0, whose parent differs
+    blocks.cache_full_blocks(sequence(0, a))
+    other = blocks.lookup(sequence(1, [t + 1 for t in a]))   # different tokens, the same (colliding) hashes
+    assert other.tokens == 0 and blocks.admit(1, other) == 0
+    assert blocks.lookup(sequence(2, a)).tokens == BLOCK_SIZE  # the same first block is a real hit; the next
+                                                               # blocks' hash points at block 0, whose parent differs
 
 
 def test_a_preempted_sequence_recounts_its_cached_prefix(tiny_model_dir, rng):

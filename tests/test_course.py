@@ -70,7 +70,7 @@ def test_every_exercise_has_its_reference_its_stub_and_a_grader_named_after_it(c
 def solved_student_block_manager() -> type:
     """The chapter 6 stub class with its exercise methods solved (by the engine's), the given ones kept."""
     from tinyvllm.engine import block_manager
-    given = {"blocks_to_append", "blocks_to_extend", "cached_tokens", "blocks_to_admit", "admit"}
+    given = {"blocks_to_append", "blocks_to_extend", "lookup", "blocks_to_admit", "admit"}
     engine = vars(block_manager.BlockManager)
     solved = {n: f for n, f in engine.items() if n not in given and (n == "__init__" or not n.startswith("__"))}
     return type("Solved", (exercises(6).BlockManager,), solved)
@@ -85,8 +85,8 @@ def test_chapter_6_student_block_manager_has_what_chapter_7_calls():
     bm.allocate(0, 16)
     assert bm.blocks_to_append(0) == 1 and bm.extend(0, 1).tolist() == [16]
     assert bm.blocks_to_append(0) == 0
-    assert bm.blocks_to_admit(list(range(33))) == 3
-    assert bm.admit(1, [5, 6, 7]) == 0
+    hit = bm.lookup(list(range(33)))          # a sequence's length is all lookup reads without prefix caching
+    assert (hit.tokens, bm.blocks_to_admit(hit, 33), bm.admit(1, hit)) == (0, 3, 0)
 
 
 def test_chapter_7_engine_runs_on_the_chapter_6_student_class(tiny_model_dir, monkeypatch, rng):
@@ -100,7 +100,7 @@ def test_chapter_7_engine_runs_on_the_chapter_6_student_class(tiny_model_dir, mo
     monkeypatch.setattr(block_manager, "BlockManager", solved_student_block_manager())
     # each needs up to 5 blocks: preemption; without prefix caching, the plain block manager (the student's) runs
     llm = LLM(str(path), device="cpu", num_blocks=10, max_num_seqs=4, enable_prefix_caching=False)
-    assert type(llm.engine.scheduler.blocks).__name__ == "Solved"
+    assert type(llm.engine.scheduler.block_manager).__name__ == "Solved"
     seqs = [llm.add_request(p, params) for p in prompts]
     for _ in range(1000):
         if not llm.engine.has_work():

@@ -193,7 +193,7 @@ def test_n_samples_next_to_single_requests(llm):
                                                       SamplingParams(temperature=0, max_tokens=5)])
     assert [len(o.outputs) for o in outs] == [3, 1]
     assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for o in outs for c in o.outputs)
-    assert llm.engine.scheduler.blocks.num_free == llm.engine.pool.num_blocks
+    assert llm.engine.scheduler.block_manager.num_free == llm.engine.pool.num_blocks
 
 
 def test_n_samples_share_the_prompt_through_the_prefix_cache(default_model_dir, llm):
@@ -206,7 +206,7 @@ def test_n_samples_share_the_prompt_through_the_prefix_cache(default_model_dir, 
     params = SamplingParams(n=3, temperature=0.8, seed=77, max_tokens=6, ignore_eos=True)
     cached = LLM(default_model_dir, device="cpu", num_blocks=64, enable_prefix_caching=True)
     [out] = cached.chat(chat, params)
-    assert cached.engine.scheduler.blocks.hits == 2 * prompt_blocks
+    assert cached.engine.scheduler.cache_stats.hits == 2 * prompt_blocks * 16   # tokens of the shared blocks
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in llm.chat(chat, params)[0].outputs]
 
 
@@ -267,7 +267,7 @@ def test_a_failure_in_one_sequence_fails_it_alone(llm, eight_requests, monkeypat
     for i, seq in enumerate(seqs):
         if i != bad:
             assert seq.output_ids == expected[i] and seq.finish_reason == "length", f"request {i} (seed {100 + i})"
-    assert llm.engine.scheduler.blocks.num_free == llm.engine.pool.num_blocks and not llm.engine.scheduler.blocks.tables
+    assert llm.engine.scheduler.block_manager.num_free == llm.engine.pool.num_blocks and not llm.engine.scheduler.block_manager.tables
     [record] = [r for r in caplog.records if r.name == "tinyvllm.engine.engine"]
     assert record.exc_info and f"sequence {seqs[bad].seq_id}" in record.getMessage()
 
@@ -285,7 +285,7 @@ def test_max_model_len_is_what_the_pool_holds(default_model_dir, caplog):
     for max_tokens in (None, 1000):
         [out] = small.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         assert len(prompt) + len(out.token_ids) == 80 and out.outputs[0].finish_reason == "length"
-    assert small.engine.scheduler.blocks.num_free == 5
+    assert small.engine.scheduler.block_manager.num_free == 5
     with pytest.raises(TinyVLLMError, match="context window is 80"):
         small.generate([[5] * 80], SamplingParams(max_tokens=1))
 

@@ -46,7 +46,7 @@ def test_engine_with_graphs_equals_enforce_eager(gpu_model):  # noqa: F811
     for eager in (True, False):
         llm = LLM(str(path), device="cuda", num_blocks=400, max_num_seqs=16, enforce_eager=eager)
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
-        assert llm.engine.scheduler.blocks.num_free == 400
+        assert llm.engine.scheduler.block_manager.num_free == 400
     same = np.mean([a == b for a, b in zip(sum(outs[True], []), sum(outs[False], []))])
     assert [len(o) for o in outs[True]] == [p.max_tokens for p in params]
     assert same >= 0.98, f"only {same:.3f} of the tokens agree"

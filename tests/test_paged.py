@@ -217,7 +217,7 @@ def test_a_request_longer_than_the_pool_runs_to_what_the_pool_holds(small_pool_l
     assert small_pool_llm.max_model_len == 96
     [out] = small_pool_llm.generate([ids], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     assert len(ids) + len(out.token_ids) == 96 and out.outputs[0].finish_reason == "length"
-    assert small_pool_llm.engine.scheduler.blocks.num_free == 6
+    assert small_pool_llm.engine.scheduler.block_manager.num_free == 6
 
 
 def test_running_out_mid_generation_preempts_and_returns_every_block(small_pool_llm):
@@ -230,7 +230,7 @@ def test_running_out_mid_generation_preempts_and_returns_every_block(small_pool_
     together = llm.generate(prompts, params)
     assert [o.token_ids for o in together] == alone
     assert sum(o.timings["preemptions"] for o in together) >= 1
-    assert llm.engine.scheduler.blocks.num_free == 6 and not llm.engine.scheduler.blocks.tables
+    assert llm.engine.scheduler.block_manager.num_free == 6 and not llm.engine.scheduler.block_manager.tables
 
 
 @pytest.mark.slow
@@ -244,4 +244,4 @@ def test_greedy_through_the_paged_cache_equals_transformers(default_model_dir, s
         ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=96 - len(ids)))[0].token_ids
         theirs = up_to_stop(hf_greedy(hf, ids, 96 - len(ids)), set(llm.stop_token_ids))
         assert ours == theirs, question
-        assert llm.engine.scheduler.blocks.num_free == 6
+        assert llm.engine.scheduler.block_manager.num_free == 6

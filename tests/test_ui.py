@@ -61,7 +61,7 @@ def test_the_snapshot_names_every_block(tiny_model_dir):
     llm.engine.step()                                # first: prefilled, its 2 full blocks named in the cache
     second = llm.add_request(prompt, params)
     llm.engine.step()                                # second: admitted on the 2 cached blocks
-    blocks = llm.engine.scheduler.blocks
+    blocks = llm.engine.scheduler.block_manager
     snap = take_snapshot(llm.engine.scheduler, {first.seq_id: "a", second.seq_id: "b"})
     assert set(snap) == {"num_blocks", "free", "refs", "cached", "running", "waiting"}
     assert snap["num_blocks"] == NUM_BLOCKS and snap["free"] == blocks.num_free

@@ -68,7 +68,7 @@ class BlockManager:
     blocks: grow a running sequence's table in place (append, +=); a new list costs a full rewrite.
 
     Chapter 7's scheduler also calls five planning methods, blocks_to_append, blocks_to_extend,
-    cached_tokens, blocks_to_admit and admit. They are not part of this exercise and are written for you
+    lookup, blocks_to_admit and admit. They are not part of this exercise and are written for you
     at the end of the class (they read `lengths` and `tables`), so `make chapter-7 IMPL=student` runs on
     your class too.
     """
@@ -142,6 +142,6 @@ class BlockManager:
     # ---- given, not an exercise: what chapter 7's scheduler plans with, the engine's own methods ----
     blocks_to_append = block_manager.BlockManager.blocks_to_append
     blocks_to_extend = block_manager.BlockManager.blocks_to_extend
-    cached_tokens = block_manager.BlockManager.cached_tokens
+    lookup = block_manager.BlockManager.lookup
     blocks_to_admit = block_manager.BlockManager.blocks_to_admit
     admit = block_manager.BlockManager.admit

@@ -203,7 +203,7 @@ def check_answers(name: str, run: Run, checked: list[int], alone: list[list[int]
 
 def check_pool(llm: LLM, runs: list[Run]) -> Stage:
     """(c) the pool after every run (the last run leaves it as the check finds it now)."""
-    blocks, engine = llm.engine.scheduler.blocks, llm.engine
+    blocks, engine = llm.engine.scheduler.block_manager, llm.engine
     ends = [r.trace[-1]["free_blocks"] for r in runs]
     ok = all(e == NUM_BLOCKS for e in ends) and blocks.num_free == NUM_BLOCKS and not blocks.tables \
         and not engine.has_work()

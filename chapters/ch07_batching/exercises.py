@@ -28,8 +28,9 @@ def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
     """Move waiting sequences to running, in arrival order, while each fits: a free slot (max_num_seqs),
     tokens left in the step's budget, and `free` blocks (those not yet promised this step). A sequence
     computes what its cached prefix does not hold, as much of it as the budget allows and at most
-    scheduler.long_prefill_token_threshold tokens (a chunk; the rest follows in the next steps). Each one admitted goes into step.prefills, its token count into
-    step.chunks; the first that does not fit ends admission (FIFO).
+    scheduler.long_prefill_token_threshold tokens (a chunk; the rest follows in the next steps). Each one
+    admitted goes into step.prefills, its token count into step.chunks; the first that does not fit ends
+    admission (FIFO).
 
     Exercise 7.1. Scheduler.decide calls this last: the running sequences have been promised their decode
     token and blocks, and a prompt started in an earlier step its next chunk (promised, not taken:
@@ -39,15 +40,16 @@ def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
       scheduler.max_num_seqs            how many sequences may run at once (running included)
       scheduler.long_prefill_token_threshold  the most tokens one prompt may compute in a step, so that
                                         a long prompt leaves budget for the short ones behind it
-      scheduler.blocks                  the block manager:
-          blocks.cached_tokens(seq.token_ids) -> int      leading tokens already in the pool (prefix
-                                                          caching; 0 without it): they cost no budget
-          blocks.blocks_to_admit(token_ids) -> int        free blocks the first len(token_ids) tokens of a
-                                                          new sequence take (its cached blocks excepted)
-          blocks.admit(seq.seq_id, seq.token_ids) -> int  start it on its cached blocks; returns how many
-                                                          of its tokens they hold
+      scheduler.block_manager           the block manager:
+          hit = block_manager.lookup(seq) -> PrefixHit     the blocks of seq's cached prefix (prefix caching;
+                                                           none without it); hit.tokens: the leading tokens
+                                                           they hold, which cost no budget. Once per admission
+          block_manager.blocks_to_admit(hit, num_tokens)   free blocks the first num_tokens tokens of the new
+                                                           sequence take (the hit's shared blocks excepted)
+          block_manager.admit(seq.seq_id, hit) -> int      start it on the hit's blocks; returns how many of
+                                                           its tokens they hold
       free                              free blocks NOT yet promised this step: use it, not
-                                        blocks.num_free (it still counts what the decodes were promised)
+                                        block_manager.num_free (it still counts what the decodes were promised)
       budget                            tokens this step may still compute (the decodes and a started
                                         prompt's chunk already took theirs)
 
@@ -56,12 +58,13 @@ def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
         had generated) that its cached prefix does not hold, or as many of them as `budget` and
         scheduler.long_prefill_token_threshold allow (a chunk). Cached tokens cost no budget;
       - it fits if a slot is free (max_num_seqs counts the running ones), budget is left, and the blocks
-        it takes are at most `free`: blocks_to_admit of its tokens from the first to the chunk's last;
-      - one that fits leaves the queue and runs: status RUNNING, blocks.admit called for it exactly once,
-        whose answer is both seq.num_cached and seq.num_computed (both, every time: a preempted sequence
+        it takes are at most `free`: blocks_to_admit of its tokens from the first to the chunk's last
+        (the cached ones and the chunk);
+      - one that fits leaves the queue and runs: status RUNNING, block_manager.admit called for it exactly
+        once, whose answer is both seq.num_cached and seq.num_computed (both, every time: a preempted sequence
         starts over); it goes to the end of scheduler.running and of step.prefills, its chunk's size to
         step.chunks; its blocks and tokens are no longer there for the sequences behind it;
-      - the first that does not fit ends admission: it stays at the head, untouched (no blocks.admit),
+      - the first that does not fit ends admission: it stays at the head, untouched (no block_manager.admit),
         and nobody behind it is admitted even if they would fit (nobody is overtaken, so a long prompt is
         not starved by a stream of short ones).
     Return nothing.

@@ -16,12 +16,12 @@ from matplotlib.patches import Patch
 
 from chapters.ch07_batching import checkpoint, live_page, server_demo
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.engine.block_manager import BLOCK_SIZE
 from tinyvllm.engine.engine import Engine
 from tinyvllm.engine.engine_config import MAX_STEP_TOKENS
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.model.kv_pool import PagedKVPool
 from tinyvllm.model.runner import ModelRunner
+from tinyvllm.model.step_plan import BLOCK_SIZE
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)   # max_num_seqs for the throughput figure
 THROUGHPUT_TOKENS = 8                # output tokens per request there (ignore_eos: exactly that many)
@@ -97,6 +97,12 @@ def measure_throughput(concurrency=CONCURRENCY, tokens: int = THROUGHPUT_TOKENS,
             for b in best.values()]
 
 
+def hit_rate_of(engine: Engine) -> float:
+    """The prefix cache's hit rate so far: prompt tokens found cached / prompt tokens looked up."""
+    stats = engine.scheduler.cache_stats
+    return stats.hits / stats.queries
+
+
 @lru_cache(maxsize=1)
 def measure_prefix_cache(questions=SHARED_QUESTIONS) -> dict:
     """The questions behind one system prompt, arriving one per step (each generates one token), through
@@ -114,7 +120,7 @@ def measure_prefix_cache(questions=SHARED_QUESTIONS) -> dict:
             seqs.append(engine.add_request(p, one))
             engine.step()
             if caching:
-                hit_rate.append(engine.scheduler.blocks.hits / engine.scheduler.blocks.queries)
+                hit_rate.append(hit_rate_of(engine))
         key = "cached" if caching else "plain"
         out[key] = {"computed": [len(s.prompt_ids) - s.num_cached for s in seqs], "hit_rate": hit_rate,
                     "seconds": time.perf_counter() - start}
@@ -122,7 +128,7 @@ def measure_prefix_cache(questions=SHARED_QUESTIONS) -> dict:
     for p in prompts:  # all in one step: nothing is cached yet when they are admitted together
         engine.add_request(p, one)
     engine.step()
-    out["together_hit_rate"] = engine.scheduler.blocks.hits / engine.scheduler.blocks.queries
+    out["together_hit_rate"] = hit_rate_of(engine)
     return out
 
 
@@ -243,8 +249,8 @@ def draw_prefix_hits() -> Figure:
     left.text(n[-1], m["together_hit_rate"] * 100 + 2, f"all {n[-1]} admitted in the same step: "
               f"{m['together_hit_rate']:.0%}", ha="right", fontsize=8, color="#C44E52")
     common = m["common_tokens"]
-    left.set(xlabel="requests so far", ylabel="prompt blocks found in the cache (%)", ylim=(-5, 100))
-    left.set_title(f"hit rate: hits / full prompt blocks looked up, so far\n(every prompt starts with the same "
+    left.set(xlabel="requests so far", ylabel="prompt tokens found in the cache (%)", ylim=(-5, 100))
+    left.set_title(f"hit rate: tokens found / prompt tokens looked up, so far\n(every prompt starts with the same "
                    f"{common} tokens: {common // BLOCK_SIZE} full blocks of {BLOCK_SIZE})", fontsize=10)
     left.legend(fontsize=8, loc="center right")
     width = 0.4

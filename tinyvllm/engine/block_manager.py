@@ -16,12 +16,26 @@ prompts start the same way (prefix caching): a block returns to the free list wh
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model.step_plan import BLOCK_SIZE, blocks_for
 from tinyvllm.model.step_plan import SeqStep
+
+
+@dataclass
+class PrefixHit:
+    """What one lookup found for a new sequence: the cached blocks its leading tokens can share (none
+    without prefix caching). The scheduler looks a sequence up once per admission and passes this on."""
+    blocks: list[int] = field(default_factory=list)
+    queried: int = 0                   # tokens looked up: the whole sequence
+
+    @property
+    def tokens(self) -> int:
+        """Leading tokens whose K/V are already in the pool: they cost no budget and no prefill."""
+        return len(self.blocks) * BLOCK_SIZE
 
 
 class OutOfBlocks(TinyVLLMError):
@@ -99,16 +113,17 @@ class BlockManager:
         """New blocks for `count` more tokens of a sequence that has blocks (the next chunk of its prompt)."""
         return blocks_for(self.lengths[seq] + count) - len(self.tables[seq])
 
-    def cached_tokens(self, token_ids: list[int]) -> int:
-        """Leading tokens of a new prompt whose K/V are already in the pool; without prefix caching, none."""
-        return 0
+    def lookup(self, seq) -> PrefixHit:
+        """The cached blocks a new sequence (a Sequence) can share; without prefix caching, none."""
+        return PrefixHit(queried=len(seq))
 
-    def blocks_to_admit(self, token_ids: list[int]) -> int:
-        """Free blocks a new prompt takes; without prefix caching, nothing is shared: all of them."""
-        return blocks_for(len(token_ids))
+    def blocks_to_admit(self, hit: PrefixHit, num_tokens: int) -> int:
+        """Free blocks the first num_tokens tokens of a new sequence take: all but the hit's shared ones,
+        plus the shared ones nobody used (with prefix caching they count as free now, and will not once shared)."""
+        return blocks_for(num_tokens) - len(hit.blocks) + sum(self.ref_counts[b] == 0 for b in hit.blocks)
 
-    def admit(self, seq: int, token_ids: list[int]) -> int:
-        """Start a sequence; returns how many of its tokens are already in the cache (none, here)."""
+    def admit(self, seq: int, hit: PrefixHit) -> int:
+        """Start a sequence on its hit's blocks; returns how many of its tokens they hold (none, here)."""
         return 0
 
     def free(self, seq: int) -> None:

@@ -59,7 +59,7 @@ class Engine:
         device, model_dir = ModelRunner.resolve_device(config.device), resolve_model(config.model)
         cfg = load_config(model_dir)  # a bad config.json is reported before anything else is read
         tokenizer = load_tokenizer(model_dir)
-        model_len = config.model_len(cfg)
+        model_len = cfg.context_window(config.max_model_len)
         runner = ModelRunner.load(model_dir, device, model_len, config.step_tokens(device, cfg), config.num_blocks,
                                   config.gpu_memory_utilization, config.batch_invariant)
         num_blocks = runner.pool.num_blocks
@@ -131,7 +131,7 @@ class Engine:
         step = self.scheduler.schedule()   # blocks taken: the runner reads step.plan
         if not (step.prefills or step.decodes or step.preempted) and self.has_work():
             raise TinyVLLMError(f"the scheduler planned a step that runs nothing while {len(self.scheduler.waiting)} "
-                                f"requests wait and {self.scheduler.blocks.num_free} blocks are free; admit() must "
+                                f"requests wait and {self.scheduler.block_manager.num_free} blocks are free; admit() must "
                                 "admit the first waiting request when nothing is running")  # else: loop forever
         launched = self.runner.launch(step.plan)
         self.scheduler.computed(step)   # the blocks this step filled become findable (prefix caching)
@@ -153,7 +153,7 @@ class Engine:
                 released.append((seq, self._isolated(seq, self._record, seq, out.tokens[i], out.logprobs[i]) or ""))
         self.trace.append({"step": self.steps, "prefill": [s.seq_id for s in step.prefills], "chunks": step.chunks,
                            "decode": [s.seq_id for s in step.decodes], "preempted": [s.seq_id for s in step.preempted],
-                           "free_blocks": self.scheduler.blocks.num_free})
+                           "free_blocks": self.scheduler.block_manager.num_free})
         self.steps += 1
         return released
 

@@ -89,17 +89,13 @@ class EngineConfig:
         (vLLM sets max_num_batched_tokens apart from max_model_len for the same reason)."""
         return self.max_num_batched_tokens or default_step_tokens(device, cfg)
 
-    def model_len(self, cfg: LlamaConfig) -> int:
-        """The context window asked for, at most the model's."""
-        return min(self.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-
     def clamped(self, device: str, cfg: LlamaConfig, num_blocks: int) -> EngineConfig:
         """These settings as the engine will run them, on `device`, with the model `cfg` (max_model_len
         applied) and a pool of num_blocks blocks."""
         step_tokens = self.step_tokens(device, cfg)
         long_prefill = self.long_prefill_token_threshold or step_tokens // LONG_PREFILL_SHARE[device]
         return replace(self, device=device, num_blocks=num_blocks,
-                       max_model_len=min(self.model_len(cfg), num_blocks * BLOCK_SIZE),  # one sequence fits the pool
+                       max_model_len=min(cfg.context_window(self.max_model_len), num_blocks * BLOCK_SIZE),  # one sequence fits the pool
                        max_num_batched_tokens=step_tokens,
                        long_prefill_token_threshold=max(1, min(step_tokens, long_prefill)),
                        max_num_seqs=min(self.max_num_seqs, step_tokens))      # a decode step's rows are buffer rows

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 from tinyvllm.engine import block_manager
 from tinyvllm.engine.block_manager import plan_decode, plan_prefill
+from tinyvllm.engine.prefix_cache import PrefixCacheStats, PrefixCachingBlockManager
 from tinyvllm.engine.sequence import Sequence, Status
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.model.step_plan import BLOCK_SIZE
-from tinyvllm.model.step_plan import StepPlan
+from tinyvllm.model.step_plan import BLOCK_SIZE, StepPlan
 
 
 @dataclass
@@ -48,10 +48,10 @@ class Scheduler:
     def __init__(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_caching: bool = False, long_prefill_token_threshold: int | None = None):
         if prefix_caching:  # full blocks named by hash, shared between prompts
-            from tinyvllm.engine.prefix_cache import PrefixCachingBlockManager
-            self.blocks = PrefixCachingBlockManager(num_blocks)
+            self.block_manager = PrefixCachingBlockManager(num_blocks)
         else:
-            self.blocks = block_manager.BlockManager(num_blocks)  # through the module: Exercise 6.1 plugs in here
+            # through the module: Exercise 6.1's class plugs in here
+            self.block_manager = block_manager.BlockManager(num_blocks)
         self.prefix_caching = prefix_caching
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # the most tokens one prompt computes in a step (None: the whole budget, one prompt may fill a step)
@@ -75,11 +75,11 @@ class Scheduler:
         """Who runs this step, and how many tokens each: decodes, then started prompts, then new ones.
         Decided on counts of free blocks; no new block is taken yet (an admitted prompt only shares its
         cached prefix blocks)."""
-        step, free = Step(), self.blocks.num_free      # free: blocks not yet promised to anyone this step
+        step, free = Step(), self.block_manager.num_free  # free: blocks not yet promised to anyone this step
         for seq in list(self.running):                 # oldest first: the oldest are the last to be preempted
             if seq.status is not Status.RUNNING or not seq.decoding:
                 continue                               # preempted a moment ago, or still in its prompt
-            need = self.blocks.blocks_to_append(seq.seq_id)
+            need = self.block_manager.blocks_to_append(seq.seq_id)
             while need > free and seq.status is Status.RUNNING:
                 victim = choose_victim(self.running)   # the youngest (perhaps seq itself)
                 if victim in step.decodes:
@@ -95,7 +95,7 @@ class Scheduler:
             if seq.decoding or seq in step.decodes or seq.status is not Status.RUNNING:
                 continue
             count = min(len(seq) - seq.num_computed, budget, self.long_prefill_token_threshold)
-            need = self.blocks.blocks_to_extend(seq.seq_id, count) if count else 0
+            need = self.block_manager.blocks_to_extend(seq.seq_id, count) if count else 0
             if need > free and not (step.decodes or step.prefills):
                 free += self._make_room(seq, need - free, step)   # else every started prompt waits forever
             if not count or need > free or seq.status is not Status.RUNNING:
@@ -111,9 +111,10 @@ class Scheduler:
         """Take the blocks decide() promised and write the plan: the model gets slots and tables, never
         the block manager. Prefills first (each its chunk, after its cached prefix or earlier chunks), then
         one slot per decode; each sequence whose tokens are all computed after the step samples one."""
-        prefills = [plan_prefill(self.blocks, s.seq_id, s.token_ids, s.num_computed, count)
+        prefills = [plan_prefill(self.block_manager, s.seq_id, s.token_ids, s.num_computed, count)
                     for s, count in zip(step.prefills, step.chunks)]
-        decodes = plan_decode(self.blocks, [s.seq_id for s in step.decodes], [s.last_token for s in step.decodes])
+        decodes = plan_decode(self.block_manager, [s.seq_id for s in step.decodes],
+                              [s.last_token for s in step.decodes])
         for seq, count in zip(step.prefills + step.decodes, step.chunks + [1] * len(step.decodes)):
             seq.num_computed += count                  # their K/V are in the pool once the step has run
         for seq, planned in zip(step.prefills + step.decodes, prefills + decodes):
@@ -134,27 +135,32 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> int:
         """Preemption by recompute: free everything now, redo the prefill of all its tokens later.
         Returns how many blocks came free."""
-        before = self.blocks.num_free
+        before = self.block_manager.num_free
         self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self.block_manager.free(seq.seq_id)
         seq.status, seq.preemptions = Status.WAITING, seq.preemptions + 1
         self.waiting.appendleft(seq)
-        return self.blocks.num_free - before
+        return self.block_manager.num_free - before
+
+    @property
+    def cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache hits and queries, in tokens (zeros without prefix caching)."""
+        return self.block_manager.stats if self.prefix_caching else PrefixCacheStats()
 
     def computed(self, step: Step) -> None:
         """After the model ran the step: with prefix caching, the blocks it filled become findable (a
         decode fills one only every 16th token: the others are skipped without building token_ids)."""
         if not self.prefix_caching:
             return
-        filled = [s for s in step.decodes if self.blocks.lengths[s.seq_id] % BLOCK_SIZE == 0]
+        filled = [s for s in step.decodes if self.block_manager.lengths[s.seq_id] % BLOCK_SIZE == 0]
         for seq in step.prefills + filled:
-            self.blocks.cache_full_blocks(seq.seq_id, seq.token_ids)
+            self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """A finished (or aborted) sequence gives its slot and its blocks back at once."""
         if seq in self.running:
             self.running.remove(seq)
-            self.blocks.free(seq.seq_id)
+            self.block_manager.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
@@ -169,17 +175,16 @@ def admit(scheduler: Scheduler, step: Step, free: int, budget: int) -> None:
     scheduler.long_prefill_token_threshold tokens (a chunk; the rest follows in the next steps). Each one
     admitted goes into step.prefills, its token count into step.chunks; the first that does not fit ends
     admission (FIFO)."""
-    blocks = scheduler.blocks
     while scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs and budget > 0:
         seq = scheduler.waiting[0]
-        cached = blocks.cached_tokens(seq.token_ids)      # a prefix-cache hit costs no budget
-        count = min(len(seq) - cached, budget, scheduler.long_prefill_token_threshold)
-        need = blocks.blocks_to_admit(seq.token_ids[:cached + count])
+        hit = scheduler.block_manager.lookup(seq)     # its cached prefix: costs no budget
+        count = min(len(seq) - hit.tokens, budget, scheduler.long_prefill_token_threshold)
+        need = scheduler.block_manager.blocks_to_admit(hit, hit.tokens + count)
         if need > free:
             break                                      # the head waits for room, nobody overtakes it
         scheduler.waiting.popleft()
         seq.status, free, budget = Status.RUNNING, free - need, budget - count
-        seq.num_cached = seq.num_computed = blocks.admit(seq.seq_id, seq.token_ids)  # recounted at every admission
+        seq.num_cached = seq.num_computed = scheduler.block_manager.admit(seq.seq_id, hit)  # at every admission
         scheduler.running.append(seq)
         step.prefills.append(seq)
         step.chunks.append(count)

@@ -59,6 +59,7 @@ class Sequence:
     preemptions: int = 0
     num_cached: int = 0                # tokens found in the prefix cache when it was last admitted
     num_computed: int = 0              # tokens whose K/V are in the pool (cached ones included)
+    block_hashes: list[int] = field(default_factory=list)  # prefix caching: its full blocks' chained hashes
     incremental: bool = True           # text token by token (streaming, stop strings); else once, at the end
     detokenize: bool = True            # False: no text at all (the server's API process decodes the ids)
 

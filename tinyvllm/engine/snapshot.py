@@ -19,7 +19,7 @@ GRID_BLOCKS = 4096   # blocks described one by one: a GPU pool of 300,000 blocks
 def take_snapshot(scheduler: Scheduler, names: dict[int, str]) -> dict:
     """The pool's first GRID_BLOCKS blocks (reference count, and whether the prefix cache names them) and
     both queues. names: sequence id -> request id, as the API side knows them."""
-    blocks = scheduler.blocks
+    blocks = scheduler.block_manager
     shown = min(blocks.num_blocks, GRID_BLOCKS)
     named = getattr(blocks, "hash_of", {})   # prefix caching: full blocks a later prompt can find
     return {"num_blocks": blocks.num_blocks, "free": blocks.num_free,

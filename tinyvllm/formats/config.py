@@ -42,6 +42,10 @@ class LlamaConfig:
     def kv_size(self) -> int:  # width of the K (and V) projection's output: GQA makes it smaller
         return self.num_key_value_heads * self.head_dim
 
+    def context_window(self, asked: int | None = None) -> int:
+        """The context window asked for (None: the model's), at most the model's: the one place it is capped."""
+        return min(asked or self.max_position_embeddings, self.max_position_embeddings)
+
     def to_hf_dict(self) -> dict:
         """The config.json that transformers' LlamaForCausalLM reads."""
         d = asdict(self)

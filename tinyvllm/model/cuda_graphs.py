@@ -20,7 +20,7 @@ from tinyvllm.model.decode import decode_rows
 from tinyvllm.model.kv_pool import PagedKVPool
 from tinyvllm.model.step_plan import BLOCK_SIZE, blocks_for
 from tinyvllm.model.model import Model
-from tinyvllm.model.step_plan import SeqStep
+from tinyvllm.model.step_plan import SeqStep, step_inputs
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -43,9 +43,9 @@ class DecodeInputs:
     def fill(self, steps: list[SeqStep], size: int) -> int:
         """Write this step's inputs for `size` rows (the bucket) from the plan; returns the table columns in use."""
         n, pad = len(steps), size - len(steps)
-        self.vectors[:, :size] = [[s.token_ids[0] for s in steps] + [0] * pad, [s.start for s in steps] + [0] * pad,
-                                  [int(s.slots[0]) for s in steps] + [self.scratch_block * BLOCK_SIZE] * pad,
-                                  [s.end for s in steps] + [1] * pad]
+        self.vectors[:3, :n] = step_inputs(steps)                 # ids, positions, slots
+        self.vectors[3, :n] = [s.end for s in steps]               # lengths: the keys each row attends to
+        self.vectors[:, n:size] = np.array([[0], [0], [self.scratch_block * BLOCK_SIZE], [1]])  # padding rows
         for row, s in enumerate(steps):
             table, done = s.block_table, self.written[row]
             # the plan hands over the block manager's own list, which only ever grows while the sequence

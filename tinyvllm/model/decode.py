@@ -17,20 +17,17 @@ Chapter 8: a step of up to GEMV_DECODE_ROWS rows runs the same layer in fewer, f
 """
 from __future__ import annotations
 
-import numpy as np
-
 from tinyvllm.model.backend.constants import GEMV_DECODE_ROWS
 from tinyvllm.model.fused import final_logits_fused, offers_fused_ops, run_layers_fused
 from tinyvllm.model.model import Model, final_logits, run_layers
-from tinyvllm.model.step_plan import SeqStep
+from tinyvllm.model.step_plan import SeqStep, step_inputs
 
 
 def decode_batch(model: Model, pool, steps: list[SeqStep]):
     """One new token per sequence, as planned (steps[b]: its token, position, slot and block table);
     returns the next-token logits, (n, vocab) fp32 on the model's device."""
     ops, H = model.ops, model.cfg.num_attention_heads
-    columns = [[s.token_ids[0] for s in steps], [s.start for s in steps], [int(s.slots[0]) for s in steps]]
-    ids, positions, slots = (ops.to_device(np.asarray(c, dtype=np.int32)) for c in columns)
+    ids, positions, slots = (ops.to_device(c) for c in step_inputs(steps))
     where = pool.where(steps, [s.end for s in steps])   # where each sequence's keys are: once per step
     attention = getattr(ops, pool.attention)            # decode_attention, or paged_attention (chapter 6)
 

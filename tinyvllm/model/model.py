@@ -74,14 +74,16 @@ class Layer:
 class Model:
     fused_decode = True  # chapter 8: decode steps of up to GEMV_DECODE_ROWS rows run fused.py's layer; False: run_layers
 
-    def __init__(self, model_dir: str | Path, device: str = "auto", max_step_tokens: int = 2048,
+    def __init__(self, model_dir: str | Path, device: str, max_step_tokens: int,
                  max_model_len: int | None = None, batch_invariant: bool = False):
+        """device: "auto", "cpu" or "cuda"; max_step_tokens: the rows of the step buffers, no default here (the
+        engine's comes from EngineConfig); max_model_len: None for the model's own context window."""
         self.cfg = cfg = load_config(model_dir)
         self.model_dir = Path(model_dir)
         ops = load_backend(device)
         self.device = "cuda" if ops.__name__.endswith("cuda_ops") else "cpu"
         self.ops = ops = BatchInvariantOps(ops) if batch_invariant else ops   # chapter 7: same request, same logits
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = cfg.context_window(max_model_len)
         self.max_step_tokens = max_step_tokens  # rows of every step buffer: the tokens of a step, all sequences'
         dtype = "bf16" if self.device == "cuda" else "f32"
         self.weight_regions = plan_engine_weights(cfg, dtype)

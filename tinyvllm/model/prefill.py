@@ -16,7 +16,7 @@ import numpy as np
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model.kv_pool import ContiguousKVCache
 from tinyvllm.model.model import Model, final_logits, run_layers
-from tinyvllm.model.step_plan import SeqStep
+from tinyvllm.model.step_plan import SeqStep, step_inputs
 
 
 def prefill(model: Model, token_ids, all_logits: bool = False, on_layer=None, cache=None, seq: int = 0):
@@ -65,11 +65,7 @@ def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = F
         if decodes:             # one query per decoding sequence, its keys in the pool
             decode_attention(qkv[P:T], pool.k[layer], pool.v[layer], *decode_where, attn[P:T], H)
 
-    # the prompts' rows, then one row per decode (its columns built once, not a range per sequence)
-    ids = np.concatenate([*(s.token_ids for s in steps), [s.token_ids[0] for s in decodes]])
-    positions = np.concatenate([*(np.arange(s.start, s.end) for s in steps), [s.start for s in decodes]])
-    slots = np.concatenate([*(np.asarray(s.slots) for s in steps), [int(s.slots[0]) for s in decodes]])
-    ids, positions, slots = (ops.to_device(np.asarray(a, dtype=np.int32)) for a in (ids, positions, slots))
+    ids, positions, slots = (ops.to_device(c) for c in step_inputs([*steps, *decodes]))  # prompts' rows, then decodes
     residual, delta = run_layers(model, ids, positions, slots, pool, attend, on_layer)
     if all_logits:
         return final_logits(model, residual, delta, slice(0, T))

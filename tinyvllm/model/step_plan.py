@@ -17,6 +17,7 @@ runner (runner.py) takes the plan and gives back a StepOutput: the sampled ids a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -55,6 +56,15 @@ class SeqStep:
 class StepPlan:
     prefills: list[SeqStep] = field(default_factory=list)  # prompts (or their uncached tails): one batched prefill
     decodes: list[SeqStep] = field(default_factory=list)   # one token each: one batched decode
+
+
+def step_inputs(steps: list[SeqStep]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The columns every forward pass reads, one row per token of the plan, in its order: the token ids,
+    their positions and their pool slots (int32). A decode is a one-token SeqStep: the same three columns."""
+    ids = np.fromiter(chain.from_iterable(s.token_ids for s in steps), np.int32)
+    positions = np.fromiter(chain.from_iterable(range(s.start, s.end) for s in steps), np.int32)
+    slots = np.fromiter(chain.from_iterable(s.slots for s in steps), np.int32)
+    return ids, positions, slots
 
 
 @dataclass

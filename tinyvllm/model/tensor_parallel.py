@@ -35,7 +35,7 @@ from tinyvllm.model import buffers
 from tinyvllm.model.backend import numpy_ops as ops
 from tinyvllm.model.kv_pool import PagedKVPool
 from tinyvllm.model.model import Layer, Model, plan_engine_weights
-from tinyvllm.model.step_plan import SeqStep
+from tinyvllm.model.step_plan import SeqStep, step_inputs
 
 F32 = np.float32
 SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
@@ -263,14 +263,6 @@ def sharded_logits(model: ShardedModel, residual: list, delta: list, rows: np.nd
         ops.gemm(normed, rank.lm_head, part)
         parts.append(part)
     return model.all_gather(parts, "lm_head")
-
-
-def step_inputs(steps: list[SeqStep]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The plan's tokens, their positions and their slots, one row per token, int32."""
-    ids = np.concatenate([s.token_ids for s in steps])
-    positions = np.concatenate([np.arange(s.start, s.end) for s in steps])
-    slots = np.concatenate([np.asarray(s.slots) for s in steps])
-    return ids.astype(np.int32), positions.astype(np.int32), slots.astype(np.int32)
 
 
 def prefill_sharded(model: ShardedModel, pools: list[PagedKVPool], steps: list[SeqStep],
