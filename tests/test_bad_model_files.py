@@ -267,7 +267,7 @@ def test_default_model_folder_without_its_weights(tmp_path, monkeypatch, capsys)
     """A converted default model whose model.safetensors was deleted: say so, do not convert for nothing."""
     monkeypatch.setenv("TINYVLLM_HOME", str(tmp_path))
     monkeypatch.delenv("TINYVLLM_DEFAULT_MODEL", raising=False)
-    monkeypatch.setattr("tinyvllm.formats.checkpoints.convert_gguf", lambda gguf, out: (out / "model.safetensors").write_bytes(b""))
+    monkeypatch.setattr("tinyvllm.formats.gguf_convert.convert_gguf", lambda gguf, out: (out / "model.safetensors").write_bytes(b""))
     final = tmp_path / "models" / "SmolLM2-135M-Instruct"
     final.mkdir(parents=True)
     (final / "config.json").write_text("{}")

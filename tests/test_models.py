@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import tinyvllm.formats.checkpoints
+import tinyvllm.formats.gguf_convert
 from tinyvllm import TinyVLLMError
 from tinyvllm.formats.checkpoints import default_gguf_path, default_model_dir, resolve_model, synth_model
+from tinyvllm.formats.gguf_convert import convert_gguf
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_conversion_is_reused(converted, monkeypatch):
     def no_second_conversion(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(tinyvllm.formats.checkpoints, "convert_gguf", no_second_conversion)
+    monkeypatch.setattr(tinyvllm.formats.gguf_convert, "convert_gguf", no_second_conversion)
     assert default_model_dir() == model_dir   # a second conversion would have raised: no timing needed
     assert resolve_model("default") == model_dir
 
@@ -81,7 +82,7 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
         Path(str(path) + ".partial").write_bytes(b"\0" * 1000)
         raise RuntimeError("interrupted while writing")
 
-    monkeypatch.setattr(tinyvllm.formats.checkpoints, "write_safetensors", write_half_then_fail)
+    monkeypatch.setattr(tinyvllm.formats.gguf_convert, "write_safetensors", write_half_then_fail)
     with pytest.raises(RuntimeError, match="interrupted"):
         default_model_dir()
     assert list((tmp_path / "models").iterdir()) == []
@@ -97,7 +98,7 @@ def test_interrupted_conversion_leaves_nothing_and_a_retry_works(tmp_path, monke
         (out_dir / "model.safetensors").write_bytes(b"\0" * 100)
         raise error("stopped")
 
-    monkeypatch.setattr(tinyvllm.formats.checkpoints, "convert_gguf", convert_partly)
+    monkeypatch.setattr(tinyvllm.formats.gguf_convert, "convert_gguf", convert_partly)
     with pytest.raises(error):
         default_model_dir()
     assert list((tmp_path / "models").iterdir()) == []
@@ -105,7 +106,7 @@ def test_interrupted_conversion_leaves_nothing_and_a_retry_works(tmp_path, monke
     def convert_fake(gguf_path, out_dir):  # a retry starts from scratch and finishes
         (out_dir / "model.safetensors").write_bytes(b"done")
 
-    monkeypatch.setattr(tinyvllm.formats.checkpoints, "convert_gguf", convert_fake)
+    monkeypatch.setattr(tinyvllm.formats.gguf_convert, "convert_gguf", convert_fake)
     final = default_model_dir()
     assert (final / "model.safetensors").read_bytes() == b"done"
     assert [p.name for p in (tmp_path / "models").iterdir()] == [final.name]
@@ -137,6 +138,57 @@ def test_synth_refuses_a_non_empty_out_dir_and_an_unknown_preset(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
     with pytest.raises(TinyVLLMError, match="llama-3.2-1b"):
         synth_model("gpt-2", tmp_path / "new")
+
+
+def write_tiny_gguf(path: Path, rng: np.random.Generator) -> None:
+    """A one-layer llama GGUF: random f32 weights, and a byte-level tokenizer of two letters and two controls."""
+    hidden, heads, kv_heads, head_dim, ffn, vocab = 8, 2, 1, 4, 16, 4
+    q, kv = heads * head_dim, kv_heads * head_dim
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(1e4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(["a", "b", "<|im_start|>", "<|im_end|>"])
+    writer.add_token_types([1, 1, 3, 3])  # 1: normal, 3: control
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
+              "blk.0.attn_norm.weight": (hidden,), "blk.0.attn_q.weight": (q, hidden),
+              "blk.0.attn_k.weight": (kv, hidden), "blk.0.attn_v.weight": (kv, hidden),
+              "blk.0.attn_output.weight": (hidden, q), "blk.0.ffn_norm.weight": (hidden,),
+              "blk.0.ffn_gate.weight": (ffn, hidden), "blk.0.ffn_up.weight": (ffn, hidden),
+              "blk.0.ffn_down.weight": (hidden, ffn)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_conversion_parses_the_gguf_once(tmp_path, rng, monkeypatch):
+    """Weights, config and tokenizer come from one GGUFReader. A fresh file, so no cached parse hides a second."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", rng)
+    parses = []
+    real_init = gguf.GGUFReader.__init__
+
+    def counting_init(self, *args, **kwargs):
+        parses.append(args)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting_init)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    convert_gguf(tmp_path / "tiny.gguf", out_dir)
+    assert len(parses) == 1, f"the GGUF was parsed {len(parses)} times"
+    assert {p.name for p in out_dir.iterdir()} == {"model.safetensors", "config.json", "generation_config.json",
+                                                   "tokenizer.json", "tokenizer_config.json"}
 
 
 # ---------------------------------------------------------------- faithful to the GGUF

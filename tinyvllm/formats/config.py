@@ -198,6 +198,14 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
     return cfg
 
 
+def write_model_files(out_dir: Path, cfg: LlamaConfig, tokenizer_files: dict[str, dict]) -> None:
+    """What load_config reads (config.json, generation_config.json), beside the tokenizer's JSON files."""
+    files = {"config.json": cfg.to_hf_dict(), **tokenizer_files,
+             "generation_config.json": {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}}
+    for name, content in files.items():
+        (out_dir / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
+
+
 def optional_file(path: Path) -> bool:
     """Whether an optional model file is there to read. Something else in its place (a directory) is a
     mistake to report, not a missing file to skip: the settings the user put there would be silently lost."""

@@ -6,7 +6,6 @@ bytes are merged pairwise in rank order. A token's rank is its id, so tiktoken c
 
 import base64
 import codecs
-import copy
 import json
 import os
 import re
@@ -215,6 +214,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     file = _find_tokenizer_file(path) if path.is_dir() else path
     specials_file = file  # where the special tokens are defined, for error messages
     if file.suffix == ".gguf":
+        from tinyvllm.formats.gguf_convert import tokenizer_files_from_gguf  # here: gguf_convert imports this module
+
         files = tokenizer_files_from_gguf(file)
         hf_json, config = files["tokenizer.json"], files["tokenizer_config.json"]
     else:
@@ -425,60 +426,3 @@ def _find_chat_template(folder: Path, config: dict, is_llama3: bool) -> str | No
     if isinstance(template, list):  # named templates: the default one is for chat
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return template or (LLAMA3_CHAT_TEMPLATE if is_llama3 else None)
-
-
-# tokenizer.ggml.pre names llama.cpp gives these pre-tokenizers, as HF tokenizer.json pre_tokenizers.
-_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-_GGUF_PRE_TOKENIZERS = {
-    "gpt-2": _BYTE_LEVEL,
-    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
-    "llama-bpe": {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": False},
-        {**_BYTE_LEVEL, "use_regex": False}]},
-}
-
-
-@lru_cache(maxsize=2)
-def _gguf_metadata(path: Path, mtime_ns: int) -> dict:
-    """A GGUF's metadata; cached by path and mtime, as its string arrays take seconds to parse."""
-    import gguf  # only GGUF files need it (the default model's conversion)
-
-    return {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()}
-
-
-def tokenizer_files_from_gguf(gguf_path: str | os.PathLike) -> dict[str, dict]:
-    """Rebuild the HF tokenizer.json and tokenizer_config.json a byte-level BPE GGUF was made from."""
-    try:
-        path = Path(gguf_path).resolve()
-        field = _gguf_metadata(path, path.stat().st_mtime_ns).get
-    except (OSError, ValueError) as e:
-        raise TinyVLLMError(f"cannot read GGUF file {gguf_path} ({e}); check the path and re-download it") from None
-    pre = field("tokenizer.ggml.pre", "gpt-2")
-    if field("tokenizer.ggml.model") != "gpt2" or pre not in _GGUF_PRE_TOKENIZERS:
-        raise TinyVLLMError(f"{gguf_path} has a tokenizer tinyvllm does not support (model "
-                            f"{field('tokenizer.ggml.model')!r}, pre {pre!r}); use a Llama 3 or SmolLM2 GGUF")
-    tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
-    added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": kind == 3}  # 3: control token, 4: user-defined
-             for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)]
-    hf_json = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": copy.deepcopy(_GGUF_PRE_TOKENIZERS[pre]),
-        "post_processor": {**_BYTE_LEVEL, "trim_offsets": False},
-        "decoder": dict(_BYTE_LEVEL),
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": pre == "llama-bpe",  # as Meta's tiktoken: a piece in the vocab is one token
-                  "vocab": {tok: i for i, tok in enumerate(tokens)},
-                  "merges": [m.split(" ") for m in field("tokenizer.ggml.merges", [])]},
-    }
-    arch = field("general.architecture", "llama")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "model_max_length": int(field(f"{arch}.context_length", 8192))}
-    for role in ("bos", "eos", "pad", "unk"):
-        token_id = field(f"tokenizer.ggml.{role}_token_id")
-        if token_id is not None:
-            config[f"{role}_token"] = tokens[token_id]
-    if field("tokenizer.chat_template"):
-        config["chat_template"] = field("tokenizer.chat_template")
-    return {"tokenizer.json": hf_json, "tokenizer_config.json": config}
