@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
-    model = Model(model_dir, device=args.device, max_step_tokens=max(args.context, *batches))
+    model = Model(model_dir, device=args.device, max_num_batched_tokens=max(args.context, *batches))
     cfg = model.cfg
     machine, bandwidth = measure_machine(args.device)
     step_bytes = weight_bytes_per_step(model) + kv_bytes_per_step(model.cfg, args.context)
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> Path:
     unfused, fused = compare_fused(model, args.context, args.steps, bandwidth)
     batches_rows = batch_sweep(model, batches, args.context, args.steps, bandwidth)
     del model
-    invariant = Model(model_dir, device=args.device, max_step_tokens=args.context, batch_invariant=True)
+    invariant = Model(model_dir, device=args.device, max_num_batched_tokens=args.context, batch_invariant=True)
     invariant_run = tinyvllm_ms_per_token(invariant, args.context, args.steps, bandwidth)
     del invariant
     hf = load_transformers(model_dir, args.device)   # the peers: transformers' eager loop, then its static cache

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> Path:
     from tinyvllm.formats.checkpoints import synth_model
     from tinyvllm.model.model import Model
     model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
-    model = Model(model_dir, device="cuda", max_step_tokens=max(args.context, args.max_rows))
+    model = Model(model_dir, device="cuda", max_num_batched_tokens=max(args.context, args.max_rows))
     machine, bandwidth = measure_machine("cuda")
     rows = sweep(model, range(1, args.max_rows + 1), args.context, args.steps, bandwidth)
     fastest = {r["batch"]: min((m for m in ("fused", "gemv", "cublas") if m in r), key=r.get) for r in rows}

@@ -52,7 +52,7 @@ def main() -> None:
     from tinyvllm.model.prefill import prefill
 
     model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
-    model = Model(model_dir, device="cuda", max_step_tokens=max(args.lengths))
+    model = Model(model_dir, device="cuda", max_num_batched_tokens=max(args.lengths))
     peak_flops, bandwidth = bf16_gemm_rate(), copy_bandwidth()
     rows, rng = [], np.random.default_rng(0)
     for T in args.lengths:

@@ -46,7 +46,7 @@ def invariant(request) -> bool:
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir, invariant):
-    return Model(tiny_model_dir, "cpu", max_step_tokens=4096, batch_invariant=invariant)
+    return Model(tiny_model_dir, "cpu", max_num_batched_tokens=4096, batch_invariant=invariant)
 
 
 def run_steps(model, seqs, rng, all_logits: bool):

@@ -318,7 +318,7 @@ def test_BlockManager_takes_and_gives_blocks_in_constant_time(impl):
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir):
     from tinyvllm.model.model import Model
-    return Model(tiny_model_dir, "cpu", max_step_tokens=128)
+    return Model(tiny_model_dir, "cpu", max_num_batched_tokens=128)
 
 
 @pytest.mark.ch6

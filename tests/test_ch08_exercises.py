@@ -219,7 +219,7 @@ def test_fused_decode_step_on_your_blocks_matches_the_engine(impl, monkeypatch, 
     (fusion.decode_fused, running your thread blocks), from the same plans: same logits, same greedy tokens."""
     monkeypatch.setattr(fusion, "rms_norm_gemv_block", impl("rms_norm_gemv_block"))
     monkeypatch.setattr(fusion, "rms_norm_gemv_swiglu_block", impl("rms_norm_gemv_swiglu_block"))
-    model = Model(tiny_model_dir, "cpu", max_step_tokens=64)
+    model = Model(tiny_model_dir, "cpu", max_num_batched_tokens=64)
     blocks = BlockManager(8)
     pool, fused_pool = PagedKVPool(model.cfg, model.ops, 8), PagedKVPool(model.cfg, model.ops, 8)
     prompt = rng.integers(0, model.cfg.vocab_size, int(rng.integers(5, 40))).tolist()

@@ -231,7 +231,7 @@ def test_sharded_model_on_your_functions_matches_the_model(impl, monkeypatch, ti
     """Both exercises inside the engine: a tiny random model over 2 ranks, prefill and 4 decode steps."""
     monkeypatch.setattr(tensor_parallel, "shard_weight", impl("shard_weight"))
     monkeypatch.setattr(tensor_parallel, "parallel_mlp", impl("parallel_mlp"))
-    model = Model(tiny_model_dir, "cpu", max_step_tokens=64)
+    model = Model(tiny_model_dir, "cpu", max_num_batched_tokens=64)
     sharded = tensor_parallel.ShardedModel(model, 2)
     blocks = BlockManager(8)
     pool, pools = PagedKVPool(model.cfg, model.ops, 8), sharded.new_pools(8)

@@ -33,7 +33,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    return Model(tiny_model_dir, "cpu", max_step_tokens=512)
+    return Model(tiny_model_dir, "cpu", max_num_batched_tokens=512)
 
 
 @pytest.mark.parametrize("chunks", [[37, 37, 26], [32, 32, 36], [1, 99], [16, 16, 16, 52], [99, 1]],
@@ -112,7 +112,7 @@ def test_a_prompt_longer_than_the_step_buffers_matches_the_oracle_and_transforme
     from tinyvllm.reference import ReferenceModel
     llm = LLM(default_model_dir, device="cpu", max_num_batched_tokens=256, long_prefill_token_threshold=256,
               num_blocks=200)
-    assert llm.model.max_step_tokens == 256
+    assert llm.model.max_num_batched_tokens == 256
     ids = rng.integers(3, llm.model_config.vocab_size, 1500).tolist()
     out = llm.generate([ids], GREEDY)[0].token_ids
     trace = llm.engine.trace_since(0)

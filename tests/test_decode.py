@@ -59,7 +59,7 @@ def test_store_kv_puts_each_row_in_its_slot(rng):
 
 @pytest.fixture(scope="module")
 def smol(default_model_dir):
-    return Model(default_model_dir, "cpu", max_step_tokens=512)
+    return Model(default_model_dir, "cpu", max_num_batched_tokens=512)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def tiny_llama3(tmp_path_factory):
     out = synth_model("llama-3.2-1b", tmp_path_factory.mktemp("tiny") / "m", seed=4, num_hidden_layers=2,
                       hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                       intermediate_size=96)
-    return Model(out, "cpu", max_step_tokens=300)
+    return Model(out, "cpu", max_num_batched_tokens=300)
 
 
 def prompt_ids(model: Model, n: int, seed: int) -> list[int]:

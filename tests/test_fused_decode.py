@@ -114,7 +114,7 @@ def test_rope_store_kv_is_rope_then_store_kv(rng, T, heads, kv_heads, head_dim):
 @pytest.fixture(scope="module")
 def model(tiny_llama_dir):
     from tinyvllm.model.model import Model
-    return Model(tiny_llama_dir, device="cpu", max_step_tokens=256)
+    return Model(tiny_llama_dir, device="cpu", max_num_batched_tokens=256)
 
 
 def op_names(model, step) -> set[str]:
@@ -138,7 +138,7 @@ def decode_both_ways(model, rng, n: int, steps: int = 3):
     from tinyvllm.model.decode import decode_batch
     from tinyvllm.model.kv_pool import PagedKVPool
     from tinyvllm.model.prefill import prefill_batch
-    longest = min(40, model.max_step_tokens // n)   # the n prompts are prefilled in one step
+    longest = min(40, model.max_num_batched_tokens // n)   # the n prompts are prefilled in one step
     prompts = [rng.integers(0, model.cfg.vocab_size, int(rng.integers(1, longest + 1))).tolist() for _ in range(n)]
     runs = []
     for _ in range(2):

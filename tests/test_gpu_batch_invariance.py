@@ -83,7 +83,7 @@ def test_teacher_forced_logits_do_not_depend_on_the_batch(model_dir):
     from tinyvllm.model.model import Model
     seed = 21
     rng = np.random.default_rng(seed)
-    model = Model(model_dir, device="cuda", max_step_tokens=8192, batch_invariant=True)
+    model = Model(model_dir, device="cuda", max_num_batched_tokens=8192, batch_invariant=True)
     prompts = [rng.integers(0, DIMS["vocab_size"], int(rng.integers(2, 40))).tolist() for _ in range(256)]
     alone = [teacher_forced(model, [p])[0] for p in prompts[:8]]
     for size in (3, 64, 256):
@@ -105,7 +105,7 @@ def test_a_prefix_read_from_the_pool_gives_the_same_logits(model_dir):
     from tinyvllm.model.prefill import prefill_batch
     seed = 22
     rng = np.random.default_rng(seed)
-    model = Model(model_dir, device="cuda", max_step_tokens=8192, batch_invariant=True)
+    model = Model(model_dir, device="cuda", max_num_batched_tokens=8192, batch_invariant=True)
     prompt = rng.integers(0, DIMS["vocab_size"], 150).tolist()
     whole = teacher_forced(model, [prompt])[0]
     for cached in (16, 64, 144):   # whole blocks in the pool first, the rest as a chunk reading them

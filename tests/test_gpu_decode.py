@@ -64,7 +64,7 @@ def test_store_kv_kernel_matches_twin(rng):
 def gpu_model(tmp_path_factory):
     from tinyvllm.model.model import Model
     path = save_random_llama_with_tokenizer(tmp_path_factory.mktemp("gqa4"), CONFIGS["tiny-gqa4"], seed=3)
-    return path, Model(path, device="cuda", max_step_tokens=1024)
+    return path, Model(path, device="cuda", max_num_batched_tokens=1024)
 
 
 @pytest.mark.parametrize("t", [1, 16, 17, 300, 1000])

@@ -148,7 +148,7 @@ def model(request, tmp_path_factory):
     from tinyvllm.model.model import Model
     dims = TINY_DIMS if request.param == "tiny" else dict(num_hidden_layers=2)
     path = synth_model("llama-3.2-1b", tmp_path_factory.mktemp("fused") / "llama", seed=9, **dims)
-    return Model(path, device="cuda", max_step_tokens=256)
+    return Model(path, device="cuda", max_num_batched_tokens=256)
 
 
 def greedy(model, prompts: list[list[int]], steps: int, fused: bool, graphs: bool):

@@ -74,7 +74,7 @@ def test_prefill_matches_transformers(tmp_path, name):
         torch.cuda.empty_cache()
     expected, hf_bf16 = logits_of[torch.float32], logits_of[torch.bfloat16]
 
-    model = Model(tmp_path, device="cuda", max_step_tokens=1024)
+    model = Model(tmp_path, device="cuda", max_num_batched_tokens=1024)
     logits, kv = prefill(model, ids.tolist(), all_logits=True)
     got = cp.asnumpy(logits)
     err = rel_err(got, expected)

@@ -154,7 +154,7 @@ def test_paged_attention_twin_equals_contiguous_attention(heads, kv_heads, head_
 
 @pytest.fixture(scope="module")
 def smol(default_model_dir):
-    return Model(default_model_dir, "cpu", max_step_tokens=512)
+    return Model(default_model_dir, "cpu", max_num_batched_tokens=512)
 
 
 def test_paged_decode_equals_contiguous_decode(smol):
@@ -198,9 +198,9 @@ def test_paged_decode_equals_contiguous_decode(smol):
 def test_pool_sizing_on_the_cpu(smol):
     per_block = bytes_per_block(smol.cfg, 4)
     assert per_block == 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 K/V heads of 64, float32
-    assert pool_blocks(smol.cfg, smol.ops, cpu_bytes=10 * per_block + 5) == 10
+    assert pool_blocks(smol.cfg, smol.ops, 1.0, cpu_bytes=10 * per_block + 5) == 10
     with pytest.raises(TinyVLLMError, match="no memory left for the KV cache"):
-        pool_blocks(smol.cfg, smol.ops, cpu_bytes=per_block - 1)
+        pool_blocks(smol.cfg, smol.ops, 1.0, cpu_bytes=per_block - 1)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from tinyvllm.reference import ReferenceModel
 @pytest.fixture(scope="module")
 def smol(default_model_dir):
     cfg = load_config(default_model_dir)
-    return Model(default_model_dir, device="cpu", max_step_tokens=128), ReferenceModel(cfg, load_weights(default_model_dir, cfg).views)
+    return Model(default_model_dir, device="cpu", max_num_batched_tokens=128), ReferenceModel(cfg, load_weights(default_model_dir, cfg).views)
 
 
 def test_cpu_prefill_matches_reference(smol):

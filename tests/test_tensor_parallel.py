@@ -50,7 +50,7 @@ def tp_model_dir(tmp_path_factory, request):
 @pytest.fixture(scope="module")
 def models(tp_model_dir, tiny_model_dir):
     """{name: Model}: the TP_DIMS model, and conftest's tiny SmolLM2 (4 heads, 2 K/V heads, tied head)."""
-    return {"tp": Model(tp_model_dir, "cpu", max_step_tokens=64), "tiny": Model(tiny_model_dir, "cpu", max_step_tokens=64)}
+    return {"tp": Model(tp_model_dir, "cpu", max_num_batched_tokens=64), "tiny": Model(tiny_model_dir, "cpu", max_num_batched_tokens=64)}
 
 
 def poison(sharded: ShardedModel) -> None:
@@ -196,7 +196,7 @@ def test_sharded_forward_on_the_default_model(default_model_dir):
     A real prompt, not random ids: the trained model's residual stream has one dimension hundreds of
     times larger than the rest, the final norm divides by it, and on some random id sequences the
     rounding of the ranks' partial sums (the residual agreeing to 2e-6) reaches 1.5e-5 in the logits."""
-    model = Model(default_model_dir, "cpu", max_step_tokens=64)
+    model = Model(default_model_dir, "cpu", max_num_batched_tokens=64)
     ids = load_tokenizer(default_model_dir).apply_chat_template([{"role": "user", "content": "Name a color."}])
     compare(model, ShardedModel(model, 3), [ids], steps=3)
 

@@ -145,8 +145,11 @@ def test_info_json_lists_every_weight(default_model_dir, device, itemsize):
     report = json.loads(run.stdout)
     with safe_open(str(default_model_dir / "model.safetensors"), framework="pt") as f:
         shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
-    weights = report["weights"]
-    assert {r["name"]: list(r["shape"]) for r in weights} == shapes
+    weights = report["weights"]   # the engine's layout: each region the checkpoint's tensors stacked by rows
+    assert sorted(src for r in weights for src in r["sources"]) == sorted(shapes), "every tensor in one region"
+    for r in weights:
+        parts = [shapes[src] for src in r["sources"]]
+        assert r["shape"] == [sum(p[0] for p in parts), *parts[0][1:]], f"{r['name']}: rows of {r['sources']}"
     for r in weights:
         assert r["dtype"] == {4: "f32", 2: "bf16"}[itemsize]
         assert r["nbytes"] == math.prod(r["shape"]) * itemsize and r["offset"] % ALIGN == 0

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.entrypoints.info import bytes_by_kind
 from tinyvllm.formats import bf16, safetensors_format
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.formats.config import load_config
 from tinyvllm.model import buffers, weights
+from tinyvllm.model.memory_map import bytes_by_kind
 
 MAX_TOKENS = 512  # the largest step the buffer plan is sized for (as `python -m tinyvllm info`)
 

@@ -215,7 +215,7 @@ def timed_on_gpu(fn, out) -> tuple[np.ndarray, float]:
 def main() -> bool:
     model_dir = resolve_model("default")
     start = time.perf_counter()
-    model = Model(model_dir, device="cpu", max_step_tokens=T)  # float32 fused weights, as the CPU engine runs
+    model = Model(model_dir, device="cpu", max_num_batched_tokens=T)  # float32 fused weights, as the CPU engine runs
     cfg, layer = model.cfg, model.layers[0]
     print(f"model: {model_dir} (loaded in {time.perf_counter() - start:.1f} s)\n")
     print_gemm_table(cfg, model_dir.name)

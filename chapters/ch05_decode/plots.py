@@ -29,7 +29,7 @@ STEPS = 5                 # decode steps timed per context; the median of each o
 def engine() -> tuple[Model, Tokenizer]:
     """The default model on the CPU (NumPy twins, float32) and its tokenizer."""
     model_dir = resolve_model("default")
-    return Model(model_dir, "cpu", max_step_tokens=checkpoint.MAX_TOKENS), load_tokenizer(model_dir)
+    return Model(model_dir, "cpu", max_num_batched_tokens=checkpoint.MAX_TOKENS), load_tokenizer(model_dir)
 
 
 @lru_cache(maxsize=4)

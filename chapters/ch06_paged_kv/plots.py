@@ -25,7 +25,7 @@ def workload() -> checkpoint.Run:
     """The checkpoint's five prompts, prefilled into one pool of checkpoint.NUM_BLOCKS blocks and decoded
     together on the CPU (greedy, sequence 1 cancelled after step 8), every step's block tables kept."""
     model_dir = resolve_model("default")
-    model, tok = Model(model_dir, "cpu", max_step_tokens=checkpoint.MAX_TOKENS), load_tokenizer(model_dir)
+    model, tok = Model(model_dir, "cpu", max_num_batched_tokens=checkpoint.MAX_TOKENS), load_tokenizer(model_dir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in checkpoint.PROMPTS]
     return checkpoint.run_together(model, tok, prompts)
 

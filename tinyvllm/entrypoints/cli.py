@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--model", default="default")
     info.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                       help="whose plan to show: cpu holds float32, cuda holds bf16")
-    info.add_argument("--max-tokens", type=_positive_int, default=512, help="largest step the buffers hold")
+    info.add_argument("--max-num-batched-tokens", type=_positive_int,
+                      help="a step's token budget, the rows the buffers hold (default: the engine's on that device)")
     info.add_argument("--num-blocks", type=_positive_int, help="KV cache pool size (default: sized from memory)")
     info.add_argument("--json", action="store_true")
 
@@ -208,7 +209,7 @@ def cmd_serve(args) -> None:
 
 def cmd_info(args) -> None:
     from tinyvllm.entrypoints.info import describe
-    report, text = describe(args.model, args.device, args.max_tokens, args.num_blocks)
+    report, text = describe(args.model, args.device, args.max_num_batched_tokens, args.num_blocks)
     print(json.dumps(report, indent=2) if args.json else text)
 
 

@@ -125,9 +125,9 @@ def bytes_per_block(cfg: LlamaConfig, itemsize: int) -> int:
     return 2 * cfg.num_hidden_layers * BLOCK_SIZE * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
-def pool_blocks(cfg: LlamaConfig, ops, gpu_memory_utilization: float = 0.9,
-                cpu_bytes: int = CPU_KV_CACHE_BYTES) -> int:
-    """How many blocks fit in the memory left for the KV cache on this backend."""
+def pool_blocks(cfg: LlamaConfig, ops, gpu_memory_utilization: float, cpu_bytes: int = CPU_KV_CACHE_BYTES) -> int:
+    """How many blocks fit in the memory left for the KV cache on this backend: on a GPU, what is left of
+    gpu_memory_utilization x its memory; on the CPU, cpu_bytes."""
     per_block = bytes_per_block(cfg, np.dtype(ops.DTYPE).itemsize)
     if ops.xp.__name__ == "cupy":
         if not 0 < gpu_memory_utilization <= 1:

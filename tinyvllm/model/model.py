@@ -41,15 +41,20 @@ def plan_engine_weights(cfg: LlamaConfig, dtype: str):
     return buffers.lay_out(arrays)  # through the module: chapter 2's student lay_out plugs in here
 
 
-def _sources(cfg: LlamaConfig, i: int) -> dict[str, list[str]]:
-    """Which HF tensors (stacked by rows) make each fused engine weight of layer i."""
-    p = f"model.layers.{i}."
-    return {f"{i}.input_norm": [p + "input_layernorm.weight"],
-            f"{i}.qkv": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
-            f"{i}.o_proj": [p + "self_attn.o_proj.weight"],
-            f"{i}.post_norm": [p + "post_attention_layernorm.weight"],
-            f"{i}.gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-            f"{i}.down": [p + "mlp.down_proj.weight"]}
+def engine_weight_sources(cfg: LlamaConfig) -> dict[str, list[str]]:
+    """Which HF tensors (stacked by rows) make each engine weight; lm_head is absent when tied."""
+    names = {"embed": ["model.embed_tokens.weight"], "final_norm": ["model.norm.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names.update({f"{i}.input_norm": [p + "input_layernorm.weight"],
+                      f"{i}.qkv": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+                      f"{i}.o_proj": [p + "self_attn.o_proj.weight"],
+                      f"{i}.post_norm": [p + "post_attention_layernorm.weight"],
+                      f"{i}.gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                      f"{i}.down": [p + "mlp.down_proj.weight"]})
+    if not cfg.tie_word_embeddings:
+        names["lm_head"] = ["lm_head.weight"]
+    return names
 
 
 def rope_tables(cfg: LlamaConfig, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,20 +79,20 @@ class Layer:
 class Model:
     fused_decode = True  # chapter 8: decode steps of up to GEMV_DECODE_ROWS rows run fused.py's layer; False: run_layers
 
-    def __init__(self, model_dir: str | Path, device: str, max_step_tokens: int,
+    def __init__(self, model_dir: str | Path, device: str, max_num_batched_tokens: int,
                  max_model_len: int | None = None, batch_invariant: bool = False):
-        """device: "auto", "cpu" or "cuda"; max_step_tokens: the rows of the step buffers, no default here (the
-        engine's comes from EngineConfig); max_model_len: None for the model's own context window."""
+        """device: "auto", "cpu" or "cuda"; max_num_batched_tokens: a step's tokens, all sequences', the rows of
+        every step buffer (no default here: the engine's is EngineConfig's); max_model_len: None for the model's."""
         self.cfg = cfg = load_config(model_dir)
         self.model_dir = Path(model_dir)
         ops = load_backend(device)
         self.device = "cuda" if ops.__name__.endswith("cuda_ops") else "cpu"
         self.ops = ops = BatchInvariantOps(ops) if batch_invariant else ops   # chapter 7: same request, same logits
         self.max_model_len = cfg.context_window(max_model_len)
-        self.max_step_tokens = max_step_tokens  # rows of every step buffer: the tokens of a step, all sequences'
+        self.max_num_batched_tokens = max_num_batched_tokens
         dtype = "bf16" if self.device == "cuda" else "f32"
         self.weight_regions = plan_engine_weights(cfg, dtype)
-        self.buffer_regions = buffers.plan_buffers(cfg, self.max_step_tokens, dtype)
+        self.buffer_regions = buffers.plan_buffers(cfg, self.max_num_batched_tokens, dtype)
         tensors = open_checkpoint(model_dir, cfg)  # the files match config.json before its sizes are trusted
         check_model_fits(ops, cfg, self.weight_regions, self.buffer_regions, self.max_model_len)
         self.weights = buffers.carve(ops.blob(buffers.blob_size(self.weight_regions)),
@@ -103,20 +108,12 @@ class Model:
         self.buffers = buffers.carve(ops.blob(buffers.blob_size(self.buffer_regions)),
                                     self.buffer_regions)
 
-    def _sources(self) -> dict[str, list[str]]:
-        names = {"embed": ["model.embed_tokens.weight"], "final_norm": ["model.norm.weight"],
-                 "lm_head": ["lm_head.weight"]}
-        for i in range(self.cfg.num_hidden_layers):
-            names.update(_sources(self.cfg, i))
-        return names
-
     def _fill_weights(self, tensors: dict[str, np.ndarray]) -> None:
-        for name, hf_names in self._sources().items():
-            if name in self.weights:  # stack the HF tensors row after row into the fused view
-                rows = 0
-                for hf in hf_names:
-                    self.weights[name][rows:rows + tensors[hf].shape[0]] = self.ops.upload_weight(tensors[hf])
-                    rows += tensors[hf].shape[0]
+        for name, hf_names in engine_weight_sources(self.cfg).items():
+            rows = 0                  # stack the HF tensors row after row into the fused view
+            for hf in hf_names:
+                self.weights[name][rows:rows + tensors[hf].shape[0]] = self.ops.upload_weight(tensors[hf])
+                rows += tensors[hf].shape[0]
 
 
 def run_layers(model: Model, ids, positions, slots, pool, attend, on_layer=None):

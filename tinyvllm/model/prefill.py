@@ -46,8 +46,9 @@ def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = F
     cfg, ops = model.cfg, model.ops
     P = sum(len(s.token_ids) for s in steps)
     T = P + len(decodes)
-    if not all(s.token_ids for s in steps) or T > model.max_step_tokens:
-        raise TinyVLLMError(f"a step of {T} tokens; this model's step buffers hold 1 to {model.max_step_tokens}")
+    if not all(s.token_ids for s in steps) or T > model.max_num_batched_tokens:
+        raise TinyVLLMError(f"a step of {T} tokens; this model's step buffers hold 1 to "
+                            f"{model.max_num_batched_tokens}")
     ends = np.cumsum([len(s.token_ids) for s in steps])
     H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     # each chunk's rows, and where it reads keys from the pool: uploaded once, read by every layer

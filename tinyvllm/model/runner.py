@@ -44,13 +44,11 @@ class ModelRunner:
         self.decode = lambda steps: decode_batch(model, pool, steps)
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str, max_model_len: int, max_step_tokens: int,
-             num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-             batch_invariant: bool = False) -> ModelRunner:
+    def load(cls, model_dir: str | Path, device: str, max_model_len: int, max_num_batched_tokens: int,
+             num_blocks: int | None, gpu_memory_utilization: float, batch_invariant: bool) -> ModelRunner:
         """Weights and step buffers first, then the KV pool in the memory that is left (chapter 6), unless
-        num_blocks says how many blocks."""
-        model = Model(model_dir, device, max_model_len=max_model_len, max_step_tokens=max_step_tokens,
-                      batch_invariant=batch_invariant)
+        num_blocks says how many blocks. The settings come from EngineConfig: no defaults here."""
+        model = Model(model_dir, device, max_num_batched_tokens, max_model_len, batch_invariant)
         num_blocks = num_blocks or pool_blocks(model.cfg, model.ops, gpu_memory_utilization)
         return cls(model, PagedKVPool(model.cfg, model.ops, num_blocks))
 

@@ -138,7 +138,7 @@ class Rank:
         self.embed, self.final_norm = w["embed"], w["final_norm"]
         self.lm_head = w.get("lm_head", w["embed"])  # tied: the rank's vocabulary rows serve both
         self.layers = [Layer(*(w[f"{i}.{f.name}"] for f in fields(Layer))) for i in range(self.cfg.num_hidden_layers)]
-        regions = plan_rank_buffers(self.cfg, model.max_step_tokens)
+        regions = plan_rank_buffers(self.cfg, model.max_num_batched_tokens)
         self.buffers = buffers.carve(ops.blob(buffers.blob_size(regions)), regions)
 
     @property
@@ -161,7 +161,7 @@ class ShardedModel:
         if model.device != "cpu":
             raise TinyVLLMError("the simulated ranks run in NumPy: build the Model with device='cpu'")
         check_world_size(model.cfg, world)
-        self.cfg, self.world, self.max_step_tokens = model.cfg, world, model.max_step_tokens
+        self.cfg, self.world, self.max_num_batched_tokens = model.cfg, world, model.max_num_batched_tokens
         self.cos, self.sin = model.cos, model.sin    # RoPE tables: replicated
         self.ranks = [Rank(model, r, world) for r in range(world)]
         self.collectives: list[Collective] = []
@@ -226,8 +226,9 @@ def run_layers_sharded(model: ShardedModel, ids: np.ndarray, positions: np.ndarr
     attend(rank, layer, qkv, attn_out) is the attention of that rank's heads. Returns the ranks'
     (residuals, deltas): the same numbers on every rank."""
     T, cfg = len(ids), model.cfg
-    if T > model.max_step_tokens:
-        raise TinyVLLMError(f"a step of {T} tokens; this model's step buffers hold 1 to {model.max_step_tokens}")
+    if T > model.max_num_batched_tokens:
+        raise TinyVLLMError(f"a step of {T} tokens; this model's step buffers hold 1 to "
+                            f"{model.max_num_batched_tokens}")
     bufs = [{name: buf[:T] for name, buf in rank.buffers.items()} for rank in model.ranks]
     residual, normed, delta = ([b[name] for b in bufs] for name in ("residual", "normed", "delta"))
     model.collectives = []
