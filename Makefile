@@ -22,7 +22,7 @@ IMPL   ?= reference
 CH     ?= all
 JUNIT  ?= junit-grades.xml
 
-.PHONY: setup run test test-gpu course grade notebooks figures bench bench-gpu clean
+.PHONY: setup run test test-fast test-gpu course grade notebooks figures bench bench-gpu clean
 .DEFAULT_GOAL := run
 
 $(PY):
@@ -49,6 +49,9 @@ run: setup  ## answer a chat prompt on the default model, streaming
 
 test: $(VENV)/.test  ## the CPU test suite (what CI runs)
 	$(PY) -m pytest -m "not gpu" -q
+
+test-fast: $(VENV)/.test  ## the edit-test loop: the CPU suite without notebooks, slow end-to-end runs and GPU tests
+	$(PY) -m pytest -m "not gpu and not slow and not notebooks" -q
 
 # With PYTHON=... given (a Python that already has CuPy, torch and transformers), nothing is installed.
 GPU_PY := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(PY))

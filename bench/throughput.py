@@ -1,7 +1,10 @@
 """Throughput on the GPU: tinyvllm against HF transformers, in ONE process, on the same GPU and weights.
 
-The workload is nano-vllm's: 256 requests, prompt and output lengths uniform in [100, 1024] (seed 0),
-random token ids, every request generating exactly its output length (ignore_eos). Measured:
+The workload is nano-vllm's bench.py, drawn as it draws it (Python's random, seed 0, the same calls in the
+same order): 256 requests, prompt and output lengths uniform in [100, 1024], prompt ids uniform in [0, 10000],
+temperature 0.6, every request generating exactly its output length (ignore_eos): 142,827 prompt and
+133,966 output tokens, so the figure compares with every published run of that benchmark. (Until
+2026-12 the draw was NumPy's, 148,756 output tokens, greedy: --also-numpy-draw runs it once more.) Measured:
   - tinyvllm, continuous batching with CUDA graphs: output tokens/s;
   - continuous vs static batching at the same batch size (64): static runs batches of 64 to
     completion one after another, continuous refills a finished request's slot at once;
@@ -12,12 +15,13 @@ random token ids, every request generating exactly its output length (ignore_eos
     request; only the tokens the workload asks for are counted).
 Writes bench/results/throughput-<time>.json.
 
-    python bench/throughput.py [--requests 256] [--skip-transformers]
+    python bench/throughput.py [--skip-transformers] [--also-numpy-draw]
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import random
 import sys
 import tempfile
 import time
@@ -29,17 +33,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.decode import kv_bytes_per_step, weight_bytes_per_step  # noqa: E402
 from bench.gpu_common import copy_bandwidth, machine, write_result  # noqa: E402
 
-
-def workload(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    rng = np.random.default_rng(seed)
-    prompt_lens, output_lens = rng.integers(100, 1025, n), rng.integers(100, 1025, n)
-    prompts = [rng.integers(0, vocab, int(p)).tolist() for p in prompt_lens]
-    return prompts, output_lens.tolist()
+REQUESTS = 256       # nano-vllm's num_seqs
+TEMPERATURE = 0.6    # nano-vllm's sampling: the sampler's cost is part of the figure
 
 
-def run_tinyvllm(llm, prompts, outputs) -> tuple[float, int]:
+def workload() -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py, call for call: every prompt (its length, then its ids), then every output length."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(REQUESTS)]
+    return prompts, [random.randint(100, 1024) for _ in range(REQUESTS)]
+
+
+def numpy_workload(vocab: int) -> tuple[list[list[int]], list[int]]:
+    """The draw this benchmark used before it took nano-vllm's (kept for continuity with older results)."""
+    rng = np.random.default_rng(0)
+    prompt_lens, output_lens = rng.integers(100, 1025, REQUESTS), rng.integers(100, 1025, REQUESTS)
+    return [rng.integers(0, vocab, int(p)).tolist() for p in prompt_lens], output_lens.tolist()
+
+
+def run_tinyvllm(llm, prompts, outputs, temperature: float = TEMPERATURE) -> tuple[float, int]:
     from tinyvllm import SamplingParams
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in outputs]
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -124,7 +138,8 @@ def batch_invariant_cost(model_dir: Path, prompts, outputs, rows: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="a Llama checkpoint dir (default: a synthetic Llama-3.2-1B)")
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--also-numpy-draw", action="store_true",
+                        help="also run the workload this benchmark drew before 2026-12 (NumPy, greedy)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-batch-invariant", action="store_true", help="leave out the batch-invariant mode's run")
     args = parser.parse_args()
@@ -135,7 +150,7 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else synth_model("llama-3.2-1b", Path(tempfile.mkdtemp()) / "llama")
     bandwidth = copy_bandwidth()
     llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.6, max_num_seqs=256)
-    prompts, outputs = workload(args.requests, llm.model_config.vocab_size)
+    prompts, outputs = workload()
     # warm-up: kernels compile, and requests finishing one per step walk every batch size, so the graph
     # of every bucket is captured before the clock starts
     run_tinyvllm(llm, [p[:16] for p in prompts], list(range(1, len(prompts) + 1)))
@@ -143,6 +158,11 @@ def main() -> None:
     seconds, tokens = run_tinyvllm(llm, prompts, outputs)
     rows["tinyvllm"] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
     print(f"tinyvllm continuous (max_num_seqs 256): {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s")
+    if args.also_numpy_draw:
+        old_prompts, old_outputs = numpy_workload(llm.model_config.vocab_size)
+        seconds, tokens = run_tinyvllm(llm, old_prompts, old_outputs, temperature=0)
+        rows["tinyvllm_numpy_draw"] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
+        print(f"tinyvllm on the old NumPy draw (greedy): {tokens} tokens, {tokens / seconds:,.0f} tok/s")
     small = LLM(str(model_dir), device="cuda", num_blocks=llm.engine.pool.num_blocks // 4, max_num_seqs=64)
     run_tinyvllm(small, [p[:16] for p in prompts[:64]], list(range(1, 65)))
     for name, fn in [("continuous_64", lambda: run_tinyvllm(small, prompts, outputs)),
@@ -178,8 +198,10 @@ def main() -> None:
             rows["speedup_vs_best_transformers"] = rows["tinyvllm"]["tokens_per_s"] / best
             print(f"tinyvllm / best transformers: {rows['speedup_vs_best_transformers']:.1f}x")
     result = {"benchmark": "throughput", "machine": machine(), "model": str(model_dir),
-              "workload": {"requests": args.requests, "prompt_len": [100, 1024], "output_len": [100, 1024],
-                           "seed": 0, "ignore_eos": True, "total_output_tokens": int(sum(outputs))},
+              "workload": {"draw": "nano-vllm bench.py (Python random, seed 0)", "requests": REQUESTS,
+                           "prompt_len": [100, 1024], "output_len": [100, 1024], "temperature": TEMPERATURE,
+                           "ignore_eos": True, "total_prompt_tokens": sum(map(len, prompts)),
+                           "total_output_tokens": int(sum(outputs))},
               "copy_bandwidth_gb_s": bandwidth / 1e9, "results": rows, "batch_invariant": invariant}
     write_result("throughput", result)
 

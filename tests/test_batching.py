@@ -36,6 +36,7 @@ def alone(llm, prompts):
     return [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
 
 
+@pytest.mark.slow   # the `alone` fixture generates sixteen prompts one by one: minutes on two cores
 def test_sixteen_prompts_together_equal_each_alone(llm, prompts, alone):
     together = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in together] == alone
@@ -45,6 +46,7 @@ def test_sixteen_prompts_together_equal_each_alone(llm, prompts, alone):
     assert llm.engine.scheduler.block_manager.num_free == 400
 
 
+@pytest.mark.slow
 def test_preemption_in_a_tiny_pool_changes_no_answer(default_model_dir, prompts, alone):
     tiny = LLM(default_model_dir, device="cpu", num_blocks=24)  # room for ~6 of the 16 at once
     outs = tiny.generate(prompts, GREEDY)

@@ -11,16 +11,23 @@ A graph replays the same kernels with the same arguments: the same pointers and 
     8, its 3 padding rows writing to and reading from the pool's scratch block only.
 With 256 sequences a step's inputs are also host work: DecodeInputs keeps them in pinned host arrays
 that change only where the batch changed, and they go to the GPU in two copies.
+
+Which layer a bucket runs is measured, not assumed: where chapter 8's fused layer can run it, both the
+fused and the unfused step are captured, replayed in turn, and the faster graph is kept (the two give the
+same bits; which is faster depends on the GPU, the model and the batch size).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.model.decode import decode_rows
+from tinyvllm.model.decode import decode_rows, uses_fused_layer
 from tinyvllm.model.kv_pool import PagedKVPool
 from tinyvllm.model.step_plan import BLOCK_SIZE, blocks_for
 from tinyvllm.model.model import Model
 from tinyvllm.model.step_plan import SeqStep, step_inputs
+
+
+TIMED_REPLAYS = 10   # per candidate graph of a bucket, alternating: the median decides
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -75,6 +82,7 @@ class GraphedDecode:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.copied = None  # the event after the last copies: the host arrays are not rewritten before it
         self.graphs: dict[int, object] = {}
+        self.timings: dict[int, dict[str, float]] = {}   # bucket -> ms per replay of each candidate layer
 
     def __call__(self, steps: list[SeqStep]):
         n = len(steps)
@@ -102,13 +110,34 @@ class GraphedDecode:
                          rt.memcpyHostToDevice, self.stream.ptr)
 
     def _capture(self, size: int):
+        """The bucket's graph: where the fused layer can run it, the faster of the fused and the unfused."""
+        if not uses_fused_layer(self.model, size):
+            return self._record(size, fused=False)
+        graphs = {"fused": self._record(size, fused=True), "unfused": self._record(size, fused=False)}
+        self.timings[size] = self._time(graphs)
+        return graphs[min(self.timings[size], key=self.timings[size].get)]
+
+    def _record(self, size: int, fused: bool):
         """Run the step once eagerly (kernels compile, cuBLAS picks its algorithms), then record it."""
-        self._run(size)
+        self._run(size, fused)
         self.stream.begin_capture()
-        self._run(size)
+        self._run(size, fused)
         return self.stream.end_capture()
 
-    def _run(self, size: int) -> None:
+    def _time(self, graphs: dict) -> dict[str, float]:
+        """Median ms per replay of each graph, replayed in turn. Replays rewrite this step's K/V with the same
+        values (both layers give the same bits), so timing on the live step's inputs is harmless."""
+        times = {name: [] for name in graphs}
+        for _ in range(TIMED_REPLAYS):
+            for name, graph in graphs.items():
+                start = self.stream.record()
+                graph.launch(self.stream)
+                end = self.stream.record()
+                end.synchronize()
+                times[name].append(self.cp.cuda.get_elapsed_time(start, end))
+        return {name: float(np.median(t)) for name, t in times.items()}
+
+    def _run(self, size: int, fused: bool) -> None:
         model, pool, ops, H = self.model, self.pool, self.model.ops, self.model.cfg.num_attention_heads
         tables, lengths = self.tables[:size], self.lengths[:size]
 
@@ -116,4 +145,4 @@ class GraphedDecode:
             ops.paged_attention(qkv, pool.k[layer], pool.v[layer], tables, lengths, attn, H)
 
         decode_rows(model, self.ids[:size], self.positions[:size], self.slots[:size], pool, attend,
-                    out=self.logits[:size])  # the fused layer (chapter 8) for buckets of up to GEMV_DECODE_ROWS rows
+                    out=self.logits[:size], fused=fused)

@@ -43,11 +43,12 @@ def uses_fused_layer(model: Model, rows: int) -> bool:
     return model.fused_decode and rows <= GEMV_DECODE_ROWS and offers_fused_ops(model.ops)
 
 
-def decode_rows(model: Model, ids, positions, slots, pool, attend, out=None):
-    """The forward pass of a decode step's rows (device arrays ids, positions, slots), fused or not; returns the
-    logits (rows, vocab) fp32, into `out` if given. decode_batch and the CUDA graphs (cuda_graphs.py) both run it."""
+def decode_rows(model: Model, ids, positions, slots, pool, attend, out=None, fused: bool | None = None):
+    """The forward pass of a decode step's rows (device arrays ids, positions, slots), fused or not (None: as
+    uses_fused_layer says); returns the logits (rows, vocab) fp32, into `out` if given. decode_batch and the
+    CUDA graphs (cuda_graphs.py, which time both and keep the faster) run it."""
     rows = slice(0, len(ids))
-    if uses_fused_layer(model, len(ids)):
+    if uses_fused_layer(model, len(ids)) if fused is None else fused:
         return final_logits_fused(model, run_layers_fused(model, ids, positions, slots, pool, attend), rows, out)
     residual, delta = run_layers(model, ids, positions, slots, pool, attend)
     return final_logits(model, residual, delta, rows, out=out)
