@@ -28,15 +28,15 @@ VARIANTS = [(16, 128, 64, 2, 2), (16, 64, 64, 2, 4), (32, 128, 64, 2, 1), (16, 2
 def compile_variant(source: str, shape: tuple[int, ...]):
     import cupy as cp
 
+    from tinyvllm.model.backend.constants import KERNEL_CONSTANTS, prefill_smem
     from tinyvllm.model.backend.cuda_ops import KERNELS_DIR
-    from tinyvllm.model.backend.constants import KERNEL_CONSTANTS
     warp_rows, tile, key_tile, stages, blocks = shape
     constants = {**KERNEL_CONSTANTS, "PREFILL_WARP_ROWS": warp_rows, "PREFILL_TILE": tile,
                  "PREFILL_KEY_TILE": key_tile, "PREFILL_KV_STAGES": stages, "PREFILL_BLOCKS_PER_SM": blocks,
                  "PREFILL_THREADS": tile // warp_rows * 32}
     options = ("-std=c++17", f"-I{KERNELS_DIR}", *(f"-D{k}={v}" for k, v in constants.items()))
     module = cp.RawModule(code=source, options=options)
-    smem = (tile + 2 * stages * key_tile) * (HEAD_DIM + constants["PREFILL_SMEM_PAD"]) * 2
+    smem = prefill_smem(HEAD_DIM, constants)  # the launcher's own formula, with this variant's tiles
     kernels = {}
     for name in ("prefill_attention", "chunk_attention"):
         k = module.get_function(f"{name}_d{HEAD_DIM}")

@@ -42,3 +42,14 @@ def test_kernel_compiles_for_sm90(path, tmp_path):
     run = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", f"-I{path.parent}", *nvrtc_defines(), "-c", str(source),
                           "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check kernels)")
+def test_fused_decode_refuses_a_norm_of_other_threads_than_add_rms_norm(tmp_path):
+    """fused_decode.cu's norm gives add_rms_norm's bits only with as many threads (GEMV_THREADS == ROWS): another
+    ROWS stops the compiler at its static_assert, not the tests at differing bits."""
+    path = KERNELS[0].parent / "fused_decode.cu"
+    defines = [d for d in nvrtc_defines() if not d.startswith("-DROWS=")] + ["-DROWS=128"]
+    run = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", f"-I{path.parent}", *defines, "-cubin", str(path),
+                          "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    assert run.returncode != 0 and "add_rms_norm's order only with ROWS threads" in run.stderr, run.stderr

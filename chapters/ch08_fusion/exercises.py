@@ -105,7 +105,7 @@ def rms_norm_gemv_swiglu_block(residual: np.ndarray, norm_weight: np.ndarray, w_
 # Compiled with cupy.RawModule(code=..., options=cuda_ops.NVRTC_OPTIONS (C++17, -I<repo>/tinyvllm/model/kernels
 #   and the -D constants of tinyvllm/model/backend/constants.py: GEMV_THREADS, GEMV_COLUMNS_PER_BLOCK, ...),
 #   name_expressions=["gemv_add<1>"]) and fetched with get_function("gemv_add<1>") (also <2>, <5> and <8>).
-# Launch: grid (ceil(N / GEMV_COLUMNS_PER_BLOCK)), block (GEMV_THREADS = 256): warp w of block i owns output
+# Launch: grid (ceil(N / GEMV_COLUMNS_PER_BLOCK)), block (GEMV_THREADS): warp w of block i owns output
 #   column j = i * GEMV_COLUMNS_PER_BLOCK + w, as in the engine's gemv (tinyvllm/model/kernels/gemv.cu).
 # Layout: x bf16 (NB, K) row-major; w bf16 (N, K) row-major; residual fp32 (NB, N) row-major, read AND
 #   written; K % 8 == 0.

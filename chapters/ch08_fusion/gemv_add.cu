@@ -4,7 +4,7 @@
 // the residual; here the sum goes straight into the fp32 residual, and that kernel and buffer are gone.
 // The main loop is the engine's gemv (tinyvllm/model/kernels/gemv.cu): one warp streams one weight row
 // with 16-byte loads. The engine's fused kernels live in tinyvllm/model/kernels/fused_decode.cu.
-// Launch: grid (ceil(N / GEMV_COLUMNS_PER_BLOCK)), block (GEMV_THREADS = 256): warp w of block i owns
+// Launch: grid (ceil(N / GEMV_COLUMNS_PER_BLOCK)), block (GEMV_THREADS): warp w of block i owns
 //   column j = i * GEMV_COLUMNS_PER_BLOCK + w.
 // Layout: x bf16 (NB, K) row-major; w bf16 (N, K) row-major; residual fp32 (NB, N) row-major, in and out;
 //   K % 8 == 0.

@@ -12,7 +12,8 @@ from tinyvllm.model.step_plan import BLOCK_SIZE
 BF16_PER_VECTOR = 8  # bf16 values in one 16-byte vector load (uint4): what a kernel thread loads at once
 
 # Row kernels (embedding, add_rms_norm, rope, swiglu): one block per row; they read blockDim, so any multiple
-# of 32 works (block_sum's warps) and the value lives here alone, not in their code
+# of 32 works (block_sum's warps). It still goes through -D: fused_decode.cu's norm sums a row in add_rms_norm's
+# order only while GEMV_THREADS == ROWS, and asserts it
 ROWS = 256  # 8 warps stride over a row: 576 (SmolLM2) to 2048 (Llama 3.2 1B) columns in 3 to 8 steps
 NORM_VECTOR = 4  # columns add_rms_norm's threads take at once (a 16-byte fp32 load) when the hidden size is a multiple
 ARGMAX_THREADS = 1024  # one block scans a whole vocabulary row: the most a block may have, a power of 2 for the tree
@@ -41,7 +42,7 @@ GEMV_MAX_ROWS = 8  # the most rows gemv and the fused kernels take (their templa
 # from 2 rows on an H200 (gemv_rows-20261202-032104.json: a step of 2 rows 1.43 ms vs 1.49 fused; of 8, 1.51 vs 3.42)
 GEMV_DECODE_ROWS = 1
 GEMV_COLUMNS_PER_BLOCK = 8  # one output column per warp
-GEMV_THREADS = 256  # GEMV_COLUMNS_PER_BLOCK warps of 32
+GEMV_THREADS = 32 * GEMV_COLUMNS_PER_BLOCK  # one warp per output column
 GEMV_LOADS = 4  # 16-byte weight loads a lane issues before using any (chapter 8): 4 beat 8 and 16 on an H200
 
 # The fused decode layer (chapter 8, kernels/fused_decode.cu): gemv with its neighbours folded in, up to
@@ -63,6 +64,7 @@ def decode_thread_groups(head_dim: int) -> int:
 KERNEL_CONSTANTS = {
     "BLOCK_SIZE": BLOCK_SIZE,
     "BF16_PER_VECTOR": BF16_PER_VECTOR,
+    "ROWS": ROWS,
     "NORM_VECTOR": NORM_VECTOR,
     "ARGMAX_THREADS": ARGMAX_THREADS,
     "STORE_KV_THREADS": STORE_KV_THREADS,
@@ -86,3 +88,19 @@ def nvrtc_defines() -> tuple[str, ...]:
     """("-DBLOCK_SIZE=16", ...): the compiler options that give the kernels these constants (NVRTC and nvcc
     both read them). Anything that compiles a file of tinyvllm/model/kernels needs them."""
     return tuple(f"-D{name}={value}" for name, value in KERNEL_CONSTANTS.items())
+
+
+# ---- dynamic shared memory per block: one function per kernel family, the single source for the launchers
+# (cuda_ops) and the benchmarks that launch the kernels with other constants (bench/kernels.py, attention_tiles.py)
+
+def prefill_smem(head_dim: int, constants: dict[str, int] | None = None) -> int:
+    """prefill_attention.cu's (both kernels): the Q tile and PREFILL_KV_STAGES pairs of K and V tiles, bf16, each
+    row padded by PREFILL_SMEM_PAD. `constants`: the values the kernel was compiled with, KERNEL_CONSTANTS if None."""
+    c = KERNEL_CONSTANTS if constants is None else constants  # looked up now: bench/kernels.py may have changed it
+    rows = c["PREFILL_TILE"] + 2 * c["PREFILL_KV_STAGES"] * c["PREFILL_KEY_TILE"]
+    return rows * (head_dim + c["PREFILL_SMEM_PAD"]) * 2
+
+
+def norm_gemv_smem(rows: int, K: int) -> int:
+    """fused_decode.cu's rms_norm_gemv and rms_norm_gemv_swiglu: the `rows` normalized rows of K columns, bf16."""
+    return rows * K * 2

@@ -24,15 +24,14 @@ from tinyvllm.model.backend.constants import (
     MAX_SPLITS,
     NORM_VECTOR,
     PREFILL_HEAD_DIMS,
-    PREFILL_KEY_TILE,
-    PREFILL_KV_STAGES,
-    PREFILL_SMEM_PAD,
     PREFILL_THREADS,
     PREFILL_TILE,
     ROWS,
     SPLIT_MAX_ROWS,
     STORE_KV_THREADS,
+    norm_gemv_smem,
     nvrtc_defines,
+    prefill_smem,
 )
 from tinyvllm.model.gemm import gemm_cublas
 
@@ -145,7 +144,7 @@ def _launch_norm_gemv(name: str, T: int, K: int, columns: int, args: tuple) -> N
     """The two norm kernels: FUSED_BLOCKS_PER_SM blocks per SM at most (each normalizes the rows once, into shared
     memory, then walks its share of the columns), or one per GEMV_COLUMNS_PER_BLOCK columns if that is fewer."""
     k = kernel("fused_decode", name)
-    smem = T * K * 2  # the normalized rows, bf16
+    smem = norm_gemv_smem(T, K)
     if smem > 48 * 1024:  # past the default limit a kernel must opt in (Llama 3.1 8B: 8 x 4096 x 2 = 64 KiB)
         k.max_dynamic_shared_size_bytes = smem
     blocks = min(-(-columns // GEMV_COLUMNS_PER_BLOCK), FUSED_BLOCKS_PER_SM * _multiprocessors())
@@ -202,12 +201,6 @@ def rope(qkv: cp.ndarray, positions: cp.ndarray, cos: cp.ndarray, sin: cp.ndarra
     _rows_ok(qkv)
     kernel("rope", "rope")((len(positions),), (ROWS,), (qkv, positions, cos, sin, np.int32(num_heads),
                                                         np.int32(head_dim), np.int32(qkv.strides[0] // 2)))
-
-
-def prefill_smem(head_dim: int) -> int:
-    """Shared memory of both attention kernels: the Q tile and PREFILL_KV_STAGES pairs of K and V tiles, bf16,
-    rows padded."""
-    return (PREFILL_TILE + 2 * PREFILL_KV_STAGES * PREFILL_KEY_TILE) * (head_dim + PREFILL_SMEM_PAD) * 2
 
 
 def prefill_attention(qkv: cp.ndarray, out: cp.ndarray, num_heads: int, num_kv_heads: int,

@@ -1,6 +1,6 @@
 // Chapter 3 — greedy sampling on the GPU: out[s] = argmax(logits[s, :]), the first index on ties
 // (as NumPy). Only the chosen ids cross to the host, never the (rows x vocab) logits.
-// Launch: grid (rows), block (ARGMAX_THREADS = 1024); each thread scans a strided slice, then a shared-memory tree.
+// Launch: grid (rows), block (ARGMAX_THREADS); each thread scans a strided slice, then a shared-memory tree.
 // Layout: logits fp32 (rows, vocab) row-major; out int32 (rows,).
 #ifndef ARGMAX_THREADS
 #error "ARGMAX_THREADS comes from Python (tinyvllm/model/backend/constants.py) through -D"

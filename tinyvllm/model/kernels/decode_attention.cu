@@ -1,7 +1,7 @@
 // Chapter 5 — decode attention over the contiguous KV cache: one new query per (sequence, query head)
 // against every cached key of its sequence. The work itself is in decode_attention.cuh (shared with
 // chapter 6's paged kernel); this kernel only says where the keys are: token t of row b in slot starts[b] + t.
-// Launch: grid (num_kv_heads, n), block (DECODE_THREADS = 256); instantiated per (HEAD_DIM, GROUP),
+// Launch: grid (num_kv_heads, n), block (DECODE_THREADS); instantiated per (HEAD_DIM, GROUP),
 //   GROUP = num_heads / num_kv_heads query heads per block.
 // Layout: qkv bf16 (n, qkv_stride), Q heads from column 0; k_cache, v_cache bf16 (num_slots, kv_heads,
 //   HEAD_DIM) — one layer; starts, lengths int32 (n,); out bf16 (n, out_stride), heads side by side.

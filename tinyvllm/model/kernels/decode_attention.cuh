@@ -5,8 +5,9 @@
 // (GQA), so each K/V row is read from memory once for all of them. Decode attention reads every cached
 // byte once and does ~2 FLOPs per byte: it is bound by memory bandwidth, so the design is about
 // keeping many loads in flight:
-//   - a thread holds 8 bf16 (16 bytes, one vector load) of a row; TPK = HEAD_DIM / 8 threads hold a
-//     whole key row, and the GROUPS = DECODE_THREADS / TPK thread groups of the block work on different keys;
+//   - a thread holds BF16_PER_VECTOR bf16 (16 bytes, one vector load) of a row; TPK = HEAD_DIM / BF16_PER_VECTOR
+//     threads hold a whole key row, and the GROUPS = DECODE_THREADS / TPK thread groups of the block work on
+//     different keys;
 //   - the context is cut into one contiguous chunk per thread group; each group walks its chunk
 //     UNROLL keys at a time (all their loads issued before any is used), keeping an online softmax:
 //     running max m, running sum l and running output acc, per query head;
@@ -15,7 +16,8 @@
 // blocks (chapter 7); each block then covers keys [begin, end) and writes its unnormalized output,
 // max and sum to `partial` instead, and merge_splits below combines them with the same rescaling.
 // Scores are computed in base 2 (q is pre-scaled by log2(e) / sqrt(d)): exp2f is one instruction.
-// Launch (both kernels): block (DECODE_THREADS = 256), grid in decode_attention.cu / paged_attention.cu.
+// Launch (both kernels): block (DECODE_THREADS), grid in decode_attention.cu / paged_attention.cu; static shared
+// memory only (the merge below: GROUPS x HEAD_DIM floats).
 // The NumPy twin cuts the context into the same GROUPS chunks (numpy_ops.decode_attention,
 // constants.decode_thread_groups), from the same DECODE_THREADS and BF16_PER_VECTOR.
 #pragma once

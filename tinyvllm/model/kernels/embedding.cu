@@ -1,5 +1,5 @@
 // Chapter 3 — embedding gather: residual[t, :] = float(table[ids[t], :]).
-// Launch: grid (T), block (ROWS = 256, backend/constants.py; any count works, the code reads blockDim);
+// Launch: grid (T), block (ROWS, backend/constants.py; any count works, the code reads blockDim);
 //         each block copies one row, threads stride over the hidden dim.
 // Layout: ids int32 (T,); table bf16 (vocab, hidden) row-major; residual fp32 (T, hidden) row-major.
 #include "common.cuh"

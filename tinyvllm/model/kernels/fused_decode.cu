@@ -8,8 +8,8 @@
 //   rope_store_kv         RoPE on the Q and K heads, then K and V to their cache slots
 // Each does the unfused kernels' arithmetic, rounding for rounding (rms_norm.cu, gemv.cu, swiglu.cu, rope.cu,
 // store_kv.cu), so the fused layer gives the unfused layer's bits (tests/test_gpu_fused_decode.py): the norm sums
-// in add_rms_norm's order while GEMV_THREADS == ROWS (both 256), every dot product is gemv_sums itself, and RoPE is
-// rope.cu's statements in rope.cu's order (the compiler fuses the same multiply-adds).
+// in add_rms_norm's order because GEMV_THREADS == ROWS (asserted below), every dot product is gemv_sums itself, and
+// RoPE is rope.cu's statements in rope.cu's order (the compiler fuses the same multiply-adds).
 // Layouts: residual fp32 (T, K) contiguous, in/out; norm_weight bf16 (K,); W bf16 (N, K) row-major, as the
 // checkpoint; out (T, out_stride) bf16 or fp32; act bf16 (T, inter); x bf16 (T, K). T = NB rows, K % 8 == 0.
 #ifndef GEMV_MAX_ROWS
@@ -27,14 +27,20 @@
 #ifndef FUSED_BLOCKS_PER_SM
 #error "FUSED_BLOCKS_PER_SM comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
+#ifndef ROWS
+#error "ROWS comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
 #include "gemv.cuh"  // gemv_sums and gemv_store (which stops unless GEMV_LOADS comes through -D)
 
 static_assert(GEMV_THREADS == 32 * GEMV_COLUMNS_PER_BLOCK, "one warp per output column");
+// A block sum's order follows the block's threads (their strided columns, then the tree over the warps):
+// rms_norm_rows matches add_rms_norm (launched with ROWS threads) bit for bit only with as many threads
+static_assert(GEMV_THREADS == ROWS, "the fused norm sums in add_rms_norm's order only with ROWS threads");
 
 // ---- the norm in front of a projection -----------------------------------------------------------------------
 // The rows of the fp32 residual, RMS-normalized and rounded to bf16 exactly as add_rms_norm (rms_norm.cu) writes
-// its `out`, into shared memory: NB x K bf16, 32 KiB at 8 x 2048. Every block recomputes them: a row is 8 KB read
-// from L2, far cheaper than a launch of its own plus a round trip of `normed` through memory.
+// its `out`, into shared memory: NB x K bf16 (constants.norm_gemv_smem). Every block recomputes them: a row is 8 KB
+// read from L2, far cheaper than a launch of its own plus a round trip of `normed` through memory.
 template <int NB>
 __device__ void rms_norm_rows(const float* residual, const __nv_bfloat16* weight, __nv_bfloat16* normed, float eps,
                               int K) {
@@ -67,14 +73,15 @@ __device__ __forceinline__ void prefetch_row(const __nv_bfloat16* row, int K) {
 }
 
 // The blocks of the two norm kernels are few (FUSED_BLOCKS_PER_SM per SM, cuda_ops._launch_norm_gemv) and each
-// walks many output columns, so the norm is computed once per block, not once per 8 columns: warp w of block g
-// takes columns g * 8 + w, then that plus gridDim.x * 8, and so on.
+// walks many output columns, so the norm is computed once per block, not once per GEMV_COLUMNS_PER_BLOCK columns:
+// warp w of block g takes column g * GEMV_COLUMNS_PER_BLOCK + w, then that plus gridDim.x * GEMV_COLUMNS_PER_BLOCK,
+// and so on.
 __device__ __forceinline__ int first_column() { return blockIdx.x * GEMV_COLUMNS_PER_BLOCK + threadIdx.x / 32; }
 __device__ __forceinline__ int column_step() { return gridDim.x * GEMV_COLUMNS_PER_BLOCK; }
 
 // rms_norm_gemv: out (NB, N) = rms_norm(residual) @ W^T, i.e. add_rms_norm (no delta) then gemv, one launch.
-// Launch: grid (min(ceil(N / GEMV_COLUMNS_PER_BLOCK), FUSED_BLOCKS_PER_SM x SMs)), block (GEMV_THREADS = 256),
-//   dynamic shared memory NB * K * 2 bytes (the normalized rows); instantiated per (NB, F32_OUT).
+// Launch: grid (min(ceil(N / GEMV_COLUMNS_PER_BLOCK), FUSED_BLOCKS_PER_SM x SMs)), block (GEMV_THREADS),
+//   dynamic shared memory constants.norm_gemv_smem(NB, K) (the normalized rows); instantiated per (NB, F32_OUT).
 // Reads: residual NB x K x 4 bytes and norm_weight (from L2, per block), W once; writes: out only.
 template <int NB, bool F32_OUT>
 __global__ void __launch_bounds__(GEMV_THREADS, FUSED_BLOCKS_PER_SM)
@@ -142,7 +149,7 @@ __global__ void __launch_bounds__(GEMV_THREADS) gemv_add(const __nv_bfloat16* x,
 
 // rope_store_kv: rope.cu then store_kv.cu in one launch — rotate row t's Q and K heads in place at position
 // positions[t], and write its rotated K and its V to slot slots[t] of this layer's cache.
-// Launch: grid (T), block (ROWS = 256; the code reads blockDim); threads stride over the (heads + kv_heads) x d/2
+// Launch: grid (T), block (ROWS; the code reads blockDim); threads stride over the (heads + kv_heads) x d/2
 //   rotation pairs, then over the kv_heads x d values of V.
 // Layout: qkv bf16 (T, row_stride): Q heads, K heads, V heads; positions, slots int32 (T,); cos, sin fp32
 //   (max_positions, d/2); k_cache, v_cache bf16 (num_slots, kv_heads, d) — one layer.

@@ -1,10 +1,10 @@
 // Chapter 5 — gemv: decode's projections, out (n, N) = x (n, K) @ W (N, K)^T for a handful of rows,
-// n <= GEMV_MAX_ROWS (8).
+// n <= GEMV_MAX_ROWS.
 // With one row per sequence, a decode GEMM reads every weight once and does 2 n FLOPs per weight: pure
 // bandwidth. cuBLAS's GEMM kernels are tiled for large n; here each warp streams one weight row with
 // 16-byte loads, multiplies it with the n input rows (tiny, and hot in L1/L2), and reduces with shuffles.
-// Launch: grid (ceil(N / GEMV_COLUMNS_PER_BLOCK)), block (GEMV_THREADS = 256): GEMV_COLUMNS_PER_BLOCK = 8
-//   warps, one output column j = weight row j each (gemv.cuh); instantiated per (NB = n rows, F32_OUT).
+// Launch: grid (ceil(N / GEMV_COLUMNS_PER_BLOCK)), block (GEMV_THREADS): GEMV_COLUMNS_PER_BLOCK warps, one
+//   output column j = weight row j each (gemv.cuh); instantiated per (NB = n rows, F32_OUT).
 // Layout: x bf16 (n, K) row-major; W bf16 (N, K) row-major (the checkpoint's layout, no transpose);
 //   out (n, out_stride) bf16 or fp32 (F32_OUT), column j of row b at b * out_stride + j; K % 8 == 0.
 #ifndef GEMV_MAX_ROWS

@@ -4,7 +4,8 @@
 // A warp owns one output column j = weight row j: lane l takes k = 8l, 8l + 256, 8l + 512, ... (16-byte loads, a
 // warp reads 512 contiguous bytes per step), keeps one running sum per input row, and the warp adds its 32 partial
 // sums up with shuffles. The weights are read exactly once, so the speed is the number of bytes in flight: each
-// lane issues GEMV_LOADS loads before it uses the first (2 KB per warp at 4), where a plain loop waits for each.
+// lane issues GEMV_LOADS loads before it uses the first (GEMV_LOADS x 512 bytes per warp), where a plain loop
+// waits for each.
 // Layout: x bf16 (rows, K) row-major, global or shared memory; row: K bf16 contiguous; K % 8 == 0.
 #pragma once
 #include "common.cuh"

@@ -1,9 +1,9 @@
 // Chapter 6 — paged decode attention: chapter 5's decode attention, reading each sequence's keys through
 // its block table. Token t of row b lives in physical block block_tables[b][t / BLOCK_SIZE], at offset
-// t % BLOCK_SIZE (BLOCK_SIZE = 16 tokens, tinyvllm/model/kv_pool.py);
+// t % BLOCK_SIZE (BLOCK_SIZE tokens, tinyvllm/model/kv_pool.py);
 // the last block may be partly filled (t < lengths[b] says which slots are real). The online softmax,
 // the GQA grouping and the merge are chapter 5's, in decode_attention.cuh.
-// Launch: grid (num_kv_heads, n, splits), block (DECODE_THREADS = 256); instantiated per (HEAD_DIM, GROUP).
+// Launch: grid (num_kv_heads, n, splits), block (DECODE_THREADS); instantiated per (HEAD_DIM, GROUP).
 //   splits > 1 (few sequences, chapter 7): block z takes the z-th of `splits` equal stretches of the
 //   context and writes to partial (n, num_heads, splits, HEAD_DIM + 2) fp32; merge_splits then writes out.
 // Layout: qkv bf16 (n, qkv_stride), Q heads from column 0; k_cache, v_cache bf16 (num_blocks * BLOCK_SIZE,

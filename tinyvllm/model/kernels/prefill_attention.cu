@@ -1,21 +1,21 @@
 // Chapter 3 — causal prefill attention, flash style: online softmax over key tiles, on tensor cores.
 // For each query row i and head h (GQA: K/V head h / (num_heads / num_kv_heads)):
 //   out[i, h] = sum_j softmax_j(q_i . k_j * scale) v_j over keys j <= start + i,
-// computed PREFILL_KEY_TILE = 64 keys at a time with a running max m and sum l, so the (T x T) scores never exist.
+// computed PREFILL_KEY_TILE keys at a time with a running max m and sum l, so the (T x T) scores never exist.
 // Two kernels share the code and differ only in where a key row is read:
 //   prefill_attention_d{D}  a whole prompt (start = 0): keys are the K and V columns of the same qkv rows;
 //   chunk_attention_d{D}    chapter 7: a chunk of a prompt at positions start .. start + T - 1, after tokens
 //                           already in the paged pool (a cached prefix, earlier chunks); key j is read from
 //                           slot block_table[j / BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE of k_cache / v_cache
 //                           (the chunk's own K/V were stored there first), for j < start + T.
-// Launch: grid (num_heads, ceil(T / PREFILL_TILE)), block (PREFILL_THREADS = 256) = 8 warps x PREFILL_WARP_ROWS
-//         (16) query rows (PREFILL_TILE = 128: every K/V tile loaded serves 128 queries);
+// Launch: grid (num_heads, ceil(T / PREFILL_TILE)), block (PREFILL_THREADS) = PREFILL_TILE / PREFILL_WARP_ROWS
+//         warps x PREFILL_WARP_ROWS query rows (every K/V tile loaded serves PREFILL_TILE queries);
 //         query tiles in reverse order, all heads' longest first (bench/attention_tiles.py); dynamic shared memory
-//         (PREFILL_TILE + 2 x PREFILL_KV_STAGES x PREFILL_KEY_TILE) x (head_dim + PREFILL_SMEM_PAD) bf16: the Q tile
-//         and two stages of K and V tiles (rows padded by 8) — cp.async fills one stage while the warps compute
-//         on the other, and ldmatrix reads the tensor-core fragments out of them.
-//         One kernel per head_dim (16, 32, 64, 128 = constants.PREFILL_HEAD_DIMS): register arrays need a
-//         compile-time size.
+//         constants.prefill_smem(head_dim): the Q tile and PREFILL_KV_STAGES stages of K and V tiles, bf16, rows
+//         padded by PREFILL_SMEM_PAD — cp.async fills one stage while the warps compute on the other, and ldmatrix
+//         reads the tensor-core fragments out of them.
+//         One kernel per head_dim of constants.PREFILL_HEAD_DIMS (ATTENTION_KERNEL at the end of this file):
+//         register arrays need a compile-time size.
 // Layout: qkv bf16 (T, row_stride) = [Q heads | K heads | V heads] per row, after RoPE;
 //         k_cache, v_cache bf16 (slots, num_kv_heads, head_dim) — one layer of the pool; block_table int32;
 //         out bf16 (T, out_stride), head h in columns h*head_dim .. (h+1)*head_dim.

@@ -1,10 +1,10 @@
 // Chapter 3 — RMSNorm with the residual add fused in: one pass over the row instead of two.
 //   residual[t] += delta[t]            (skipped when delta is null: the first norm of layer 0)
 //   out[t] = residual[t] / sqrt(mean(residual[t]^2) + eps) * weight
-// Launch: grid (T), block (ROWS = 256, backend/constants.py; the code reads blockDim, a multiple of 32 for
+// Launch: grid (T), block (ROWS, backend/constants.py; the code reads blockDim, a multiple of 32 for
 //         block_sum); one block per row, a block reduction (warp shuffles) for the mean. Each thread takes
-//         NORM_VECTOR = 4 consecutive columns at a time (one 16-byte fp32 load, 8-byte bf16 ones) when
-//         hidden % 4 == 0 (rows then start 16-byte aligned), else one.
+//         NORM_VECTOR consecutive columns at a time (one 16-byte fp32 load, 8-byte bf16 ones) when
+//         hidden % NORM_VECTOR == 0 (rows then start 16-byte aligned), else one.
 // Layout: residual fp32 (T, hidden) in/out; delta, out bf16 (T, hidden); weight bf16 (hidden,).
 // The residual stream stays fp32 so 30 layers of additions do not lose bf16's 8 bits each time.
 // The fused decode kernels (fused_decode.cu, rms_norm_rows) sum a row's squares in this same order.
@@ -57,7 +57,7 @@ __device__ void add_rms_norm_row(float* x, const __nv_bfloat16* d, const __nv_bf
     }
 }
 
-// hidden % 4 != 0 (no model has one; the chapter's exercise grades any width) takes one column at a time
+// hidden % NORM_VECTOR != 0 (no model has one; the chapter's exercise grades any width) takes one column at a time
 extern "C" __global__ void add_rms_norm(float* residual, const __nv_bfloat16* delta, const __nv_bfloat16* weight,
                                         __nv_bfloat16* out, float eps, int hidden) {
     const long long row = (long long)blockIdx.x * hidden;

@@ -2,7 +2,7 @@
 //   (x[i], x[i + d/2]) -> (x[i] cos - x[i + d/2] sin, x[i + d/2] cos + x[i] sin),  i < d/2
 // cos/sin come from tables built once per model (llama3 scaling already applied) and shared with
 // decode, so prefill and decode rotate identically.
-// Launch: grid (T), block (ROWS = 256, backend/constants.py; any count works, the code reads blockDim);
+// Launch: grid (T), block (ROWS, backend/constants.py; any count works, the code reads blockDim);
 //         threads stride over (q_heads + kv_heads) * d/2 pairs of one token.
 // Layout: qkv bf16 (T, row_stride), Q heads then K heads from column 0; positions int32 (T,);
 //         cos, sin fp32 (max_positions, d/2).

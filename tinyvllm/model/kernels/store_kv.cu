@@ -1,7 +1,7 @@
 // Chapter 5 — store_kv: copy each new token's K and V (after RoPE) from the qkv buffer into its cache slot.
 // The cache is a flat list of token slots; the slot numbers say where (contiguous in chapter 5, a
 // block-table lookup in chapter 6), so this kernel serves both layouts.
-// Launch: grid (T), block (STORE_KV_THREADS = 128); each thread moves 8 bf16 (one 16-byte vector) of K
+// Launch: grid (T), block (STORE_KV_THREADS); each thread moves 8 bf16 (one 16-byte vector) of K
 //         and the same of V, striding over the kv_cols / 8 vectors.
 // Layout: qkv bf16 (T, qkv_stride): Q heads, K heads, V heads; slots int32 (T,);
 //         k_cache, v_cache bf16 (num_slots, kv_heads, head_dim) — one layer; kv_cols, q_cols and
