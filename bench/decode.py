@@ -195,9 +195,10 @@ def compare_fused(model, context: int, steps: int, bandwidth: float) -> tuple[di
 
 # ---------------------------------------------------------------- batch 1 / 8 / 64, paged pool, CUDA graphs
 
-def ms_per_step(model, batch: int, context: int, steps: int) -> tuple[float, int]:
+def ms_per_step(model, batch: int, context: int, steps: int, measure: bool = False) -> tuple[float, int]:
     """(median ms of a decode step of `batch` sequences at `context` tokens each, op calls per step): one CUDA graph
-    replay per step on the GPU, decode_batch on the CPU. The pool's K/V are zeros: the time does not depend on them."""
+    replay per step on the GPU, decode_batch on the CPU. The pool's K/V are zeros: the time does not depend on them.
+    measure: the graph the engine would keep, the faster of fused and unfused (else the layer model.fused_decode names)."""
     from tinyvllm.engine.block_manager import BlockManager, plan_decode
     from tinyvllm.model.decode import decode_batch
     from tinyvllm.model.kv_pool import PagedKVPool
@@ -210,7 +211,7 @@ def ms_per_step(model, batch: int, context: int, steps: int) -> tuple[float, int
         blocks.allocate(s, context)
     if model.device == "cuda":
         from tinyvllm.model.cuda_graphs import GraphedDecode
-        run = GraphedDecode(model, pool, max_num_seqs=batch)
+        run = GraphedDecode(model, pool, max_num_seqs=batch, measure=measure)
     else:
         def run(plan):
             return decode_batch(model, pool, plan)
@@ -241,6 +242,9 @@ def batch_sweep(model, batches: list[int], context: int, steps: int, bandwidth: 
             row["fused" if fused else "unfused"] = {"ms_per_token": ms, "ratio_to_floor": ms / floor,
                                                     "op_calls_per_step": calls}
         model.fused_decode = True
+        if model.device == "cuda":   # what the engine runs: the faster of the two, chosen at capture
+            ms, calls = ms_per_step(model, batch, context, steps, measure=True)
+            row["engine"] = {"ms_per_token": ms, "ratio_to_floor": ms / floor, "op_calls_per_step": calls}
         rows.append(row)
         if model.device == "cuda":
             model.ops.free_cached_memory()
@@ -336,7 +340,8 @@ def report(result: dict) -> None:
     print(f"batch sweep ({result['batches_mode']}, context {result['context']} per sequence): ms per step")
     for row in result["batches"]:
         cells = "  ".join(f"{mode} {row[mode]['ms_per_token']:.3f} ({row[mode]['ratio_to_floor']:.2f}x, "
-                          f"{row[mode]['op_calls_per_step']} op calls)" for mode in ("fused", "unfused"))
+                          f"{row[mode]['op_calls_per_step']} op calls)" for mode in ("fused", "unfused", "engine")
+                          if mode in row)
         print(f"    batch {row['batch']:3d}: floor {row['floor_ms']:.3f}  {cells}")
     invariant = result["batch_invariant"]
     print(f"batch-invariant mode (chapter 7): {invariant['ms_per_token']:.3f} ms/token, "
