@@ -4,9 +4,10 @@ from __future__ import annotations
 import pickle
 
 
+from tinyvllm.engine.core_messages import Add, Report, Update, report_from
 from tinyvllm.engine.engine import Engine
 from tinyvllm.engine.engine_config import EngineConfig
-from tinyvllm.engine.engine_core import Add, EngineCore, Report, Update, report_from
+from tinyvllm.engine.engine_core import EngineCore
 from tinyvllm.engine.sampling import SamplingParams
 
 

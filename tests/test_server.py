@@ -498,7 +498,7 @@ def test_a_full_queue_gets_429_and_the_api_key_is_checked():
 def test_the_key_is_checked_strictly_and_before_the_body_is_read():
     """Only 'Bearer <key>' (the scheme in any case) passes; a request without the key is refused before its body is
     read: a broken body still gets the 401, and the JSON parser never runs."""
-    from tinyvllm.entrypoints.server import ApiKeyCheck
+    from tinyvllm.entrypoints.middleware import ApiKeyCheck
     seen = []
 
     async def app(scope, receive, send):
@@ -530,7 +530,7 @@ def test_a_loopback_server_answers_only_its_own_host_names(server):
 
 def test_the_access_log_escapes_what_the_client_wrote():
     """A path with CR, LF or an ANSI escape cannot start a forged line or colour the terminal."""
-    from tinyvllm.entrypoints.server import AccessLog, access_log
+    from tinyvllm.entrypoints.middleware import AccessLog, access_log
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
@@ -569,7 +569,7 @@ def test_an_event_whose_text_holds_a_line_separator_stays_one_line():
     bench/serving.py on random weights). The events escape them; the text reads back the same."""
     from httpx._decoders import LineDecoder
 
-    from tinyvllm.entrypoints.server import event
+    from tinyvllm.entrypoints.responses import event
     text = "a\u2028b\u2029c\x85d é \\u2028"
     lines = LineDecoder().decode(event({"choices": [{"text": text}]}))
     assert len(lines) == 2 and lines[1] == "" and json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == text

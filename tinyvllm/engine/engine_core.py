@@ -9,6 +9,9 @@ server over two ZeroMQ sockets —
     API server --- commands: Add(request), Abort(request id), Snapshot(), None (shut down) ---> engine core
     API server <-- one Report per step: new tokens per request, queue sizes ---- engine core
 
+This file is the engine core's side: its loop, and starting its process. The messages are in core_messages.py,
+the API side's handle on this process in core_client.py.
+
 With several API-server processes (`serve --api-server-count N`, api_servers.py) each has its own pair of
 sockets; every step's Report, pickled once, goes to all of them, and each keeps its own requests' tokens.
 
@@ -30,16 +33,14 @@ import pickle
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import zmq
 
+from tinyvllm.engine.core_messages import Abort, Add, Report, Snapshot, Stats, Update, one_line, report_bytes
 from tinyvllm.engine.engine_config import EngineConfig
-from tinyvllm.engine.sampling import SamplingParams
 from tinyvllm.engine.sequence import Sequence, Status
 from tinyvllm.engine.snapshot import take_snapshot
 from tinyvllm.errors import TinyVLLMError
@@ -48,60 +49,11 @@ if TYPE_CHECKING:   # the model code is imported by the engine process alone (ru
     from tinyvllm.engine.engine import LaunchedStep
 
 log = logging.getLogger(__name__)
-READY_TIMEOUT_S = 600      # loading a model (and compiling kernels) on a cold machine takes minutes at worst
-POLL_MS = 500              # how often the API side checks that the engine process is still alive
+POLL_MS = 500              # how often the API side checks that the engine process is still alive (and the
+                           # idle engine, that its API server is)
 HEARTBEAT_S = 1.0          # an idle engine still reports this often: silence means stopped or stuck
 SEQUENCE_LISTS = ("prefill", "decode", "preempted")   # the lists of sequence ids in a step's trace record
 
-
-# ---- the messages: named tuples, and on the socket a Report's Updates go as plain tuples (report_bytes) ----
-
-class Add(NamedTuple):
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    after: str | None = None          # sample 0 of the same prompt (n > 1): with prefix caching, start once
-                                      # it is prefilled, so this sample finds the prompt's blocks cached
-
-
-class Abort(NamedTuple):
-    request_id: str
-
-
-class Snapshot(NamedTuple):
-    """Ask for the pool and the queues as they are after the next step (the live page; at most 4 a second)."""
-
-
-class Update(NamedTuple):
-    """What one request got in one step."""
-    request_id: str
-    token_ids: list[int]              # new tokens since the last Update
-    logprobs: list | None             # one {token id: Logprob} per new token, if the request asked
-    text: str | None                  # new text, only when the engine detokenizes (stop strings)
-    finish_reason: str | None         # "stop", "length", "abort" or "error" once it is finished
-    error: str | None = None          # why it failed ("error" finish), one line
-
-
-@dataclass
-class Stats:
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int = 0
-    num_blocks: int = 0
-    steps: int = 0
-    prefix_cache_queries: int = 0     # prompt tokens admitted so far (recomputed ones included)
-    prefix_cache_hits: int = 0        # of which found in the prefix cache, not computed
-
-
-class Report(NamedTuple):
-    updates: list[Update]
-    stats: Stats
-    step: dict | None                 # who prefilled, decoded, was preempted (request ids), for the chapter's plots
-    snapshot: dict | None = None      # the pool and the queues, only when a Snapshot was asked for
-    tokens: int = 0                   # new tokens this step, every API-server process's requests together
-
-
-# ---- the engine process ----
 
 class EngineCore:
     """The loop in the engine process: apply commands, run one step, report. Blocks only when idle."""
@@ -266,25 +218,6 @@ class EngineCore:
                      self.steps, self.queries, self.hits)
 
 
-def report_bytes(report: Report) -> bytes:
-    """A Report for the socket, its Updates as plain tuples: pickle spends ~5x longer on a named tuple than on
-    a plain one (128 Updates: 128 us against 23 us on a 2-core CPU), and the engine core pickles a Report every
-    step, in the loop's own time."""
-    return pickle.dumps(report._replace(updates=[tuple(u) for u in report.updates]), pickle.HIGHEST_PROTOCOL)
-
-
-def report_from(data: bytes):
-    """report_bytes undone, on the API side; any other message (("closed",)) as it was sent."""
-    message = pickle.loads(data)
-    if isinstance(message, Report):
-        return message._replace(updates=[Update(*u) for u in message.updates])
-    return message
-
-
-def one_line(e: BaseException) -> str:
-    return (str(e) or type(e).__name__).splitlines()[0]
-
-
 FAILED_LINGER_MS = 30_000   # how long a failed engine waits for its API servers to take the reason why
 
 
@@ -335,156 +268,9 @@ def engine_info(engine) -> dict:
             "max_num_seqs": config.max_num_seqs, "model_dir": str(engine.model.model_dir)}
 
 
-# ---- the API side's handle on the engine process ----
-
-@dataclass
-class EngineClient:
-    """Starts the engine process and talks to it. `on_report` runs (in a reader thread) for every Report.
-    With `attach`, talks to an engine process that api_servers.py started for several API servers."""
-    config: EngineConfig
-    in_thread: bool = False                 # tests: the engine in a thread of this process, to inject faults
-    attach: Attachment | None = None        # this API server's place among several, and the engine's pid
-    info: dict = field(default_factory=dict)
-    stats: Stats = field(default_factory=Stats)
-    dead: str | None = None                 # why the engine is gone, once it is
-    on_report: Callable[[Report], None] | None = None
-    on_death: Callable[[str], None] | None = None
-
-    def __post_init__(self):
-        self._dir = tempfile.mkdtemp(prefix="tinyvllm-") if self.attach is None else None
-        self._context = zmq.Context()
-        self._context.setsockopt(zmq.LINGER, 0)   # never block this process's exit on an undelivered message
-        self._commands, self._reports = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
-        addresses = engine_addresses(self._dir, 1)[0] if self.attach is None else self.attach.addresses
-        self._commands.bind(addresses[0])
-        self._reports.bind(addresses[1])
-        self._addresses = addresses
-        self._lock = threading.Lock()       # sends come from the event loop and from shutdown
-        self._closing = False
-        if self.attach is not None:
-            self.process = None             # api_servers.py's supervisor owns it
-        elif self.in_thread:
-            self.process = threading.Thread(target=run_engine_core, args=(self.config, *addresses),
-                                            name="tinyvllm-engine", daemon=True)
-            self.process.start()
-        else:
-            self.process = start_engine_process(self.config, list(addresses))
-        self._wait_ready()
-        self.last_heard = time.monotonic()
-        self._reader = threading.Thread(target=self._read, name="tinyvllm-reports", daemon=True)
-        self._reader.start()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._reports.poll(POLL_MS):
-            if not self.alive() or time.monotonic() > deadline:
-                self.close()
-                raise TinyVLLMError("the engine process stopped while loading the model; run with --debug "
-                                    "to see why")
-        message = pickle.loads(self._reports.recv())
-        if message[0] == "failed":
-            self.close()
-            if message[2]:
-                raise TinyVLLMError(message[1])
-            raise RuntimeError(f"the engine failed to start: {message[1]}")
-        self.info = message[1]
-
-    def _read(self) -> None:
-        while not self._closing:
-            if not self._reports.poll(POLL_MS):
-                if not self.alive():
-                    return self._died("the engine process stopped")
-                continue
-            report = report_from(self._reports.recv())
-            if not isinstance(report, Report):   # ("closed",): the engine has shut down
-                return
-            self.last_heard = time.monotonic()
-            self.stats = report.stats
-            if self.on_report is not None:
-                self.on_report(report)
-
-    def silent_for(self) -> float:
-        """Seconds since the engine last reported: a step, or a heartbeat while idle (HEARTBEAT_S)."""
-        return time.monotonic() - self.last_heard
-
-    def alive(self) -> bool:
-        if self.attach is not None:
-            return pid_alive(self.attach.engine_pid)
-        return self.process.is_alive() if self.in_thread else self.process.poll() is None
-
-    def _died(self, reason: str) -> None:
-        self.dead = reason
-        log.error("%s; requests in flight fail and /health reports 503", reason)
-        if self.on_death is not None:
-            self.on_death(reason)
-
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, after: str | None = None) -> None:
-        self._send(Add(request_id, prompt_ids, params, after))
-
-    def abort(self, request_id: str) -> None:
-        self._send(Abort(request_id))
-
-    def ask_snapshot(self) -> None:
-        """The next Report will carry a snapshot (the API side asks at most every 250 ms, only while watched)."""
-        self._send(Snapshot())
-
-    def _send(self, command) -> None:
-        with self._lock:
-            self._commands.send(pickle.dumps(command, pickle.HIGHEST_PROTOCOL))
-
-    def close(self) -> None:
-        """Ask the engine to stop, wait a moment, then make sure it has (attached: only let go of it)."""
-        if self.attach is None and self.alive():
-            try:   # never wait to deliver it: an engine that is exiting on its own has no socket to take it
-                with self._lock:
-                    self._commands.send(pickle.dumps(None), zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            if self.in_thread:
-                self.process.join(timeout=10)
-            else:
-                try:
-                    self.process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-        self._closing = True                # an attached engine runs on: the reader stops at its next poll
-        if getattr(self, "_reader", None) is not None:
-            self._reader.join(timeout=2 * POLL_MS / 1000)
-        self._commands.close(linger=0)
-        self._reports.close(linger=0)
-        self._context.term()
-        for address in self._addresses:
-            try:
-                os.unlink(address.removeprefix("ipc://"))
-            except FileNotFoundError:
-                pass
-        if self._dir is not None:
-            os.rmdir(self._dir)
-
-
-class Attachment(NamedTuple):
-    """One API server's place among several (api_servers.py): its index, its socket pair, the engine's pid."""
-    index: int
-    addresses: tuple[str, str]
-    engine_pid: int
-
-
-def engine_addresses(directory: str, count: int) -> list[tuple[str, str]]:
-    """A (commands, reports) pair of IPC addresses per API-server process, in `directory`."""
-    return [(f"ipc://{directory}/commands-{k}", f"ipc://{directory}/reports-{k}") for k in range(count)]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)   # signal 0: no signal, only the check (the supervisor reaps the engine at once)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 if __name__ == "__main__":   # python -m tinyvllm.engine.engine_core SETTINGS_JSON (COMMANDS REPORTS)...
-    from tinyvllm.engine import engine_core  # the module's own classes, not __main__'s copies: pickles must match
+    from tinyvllm.engine import engine_core  # the module itself, not __main__'s copy: its log lines name it
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the API server stops us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # the supervisor of several API servers does
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine_core.run_engine_core(engine_core.EngineConfig(**json.loads(sys.argv[1])), *sys.argv[2:])
+    engine_core.run_engine_core(EngineConfig(**json.loads(sys.argv[1])), *sys.argv[2:])

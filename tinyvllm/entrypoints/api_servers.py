@@ -6,7 +6,7 @@ requests queue behind each other in that one process while the engine idles: cha
 answer, and ours: N API servers, each listening on the same port (SO_REUSEPORT: the kernel spreads new
 connections evenly over their sockets; one shared socket would hand most of them to whichever process is
 idle first), each talking to the one engine core over its own pair of ZeroMQ sockets; the engine core
-sends each request's tokens back to the process that sent it (engine_core.py).
+sends each request's tokens back to the process that sent it (engine/engine_core.py).
 
     supervisor (this file): bind the port, start the engine core, start N API servers, wait;
                             when one of them stops, stop the others.
@@ -26,8 +26,9 @@ from dataclasses import replace
 from queue import Empty
 
 from tinyvllm.engine.engine_config import EngineConfig
-from tinyvllm.engine.engine_core import (READY_TIMEOUT_S, Attachment, engine_addresses, one_line,
-                                         start_engine_process)
+from tinyvllm.engine.core_client import READY_TIMEOUT_S, Attachment, engine_addresses
+from tinyvllm.engine.core_messages import one_line
+from tinyvllm.engine.engine_core import start_engine_process
 from tinyvllm.entrypoints.server import (Server, Terminated, announce, cannot_listen, listen, terminated,
                                          url_of)
 from tinyvllm.errors import TinyVLLMError

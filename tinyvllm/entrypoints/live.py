@@ -10,7 +10,7 @@ once, to /v1/completions or /v1/chat/completions: enough to make preemption and 
     GET /ui/snapshot   one snapshot, JSON
     GET /ui/events     snapshots as server-sent events, at most 1 / SNAPSHOT_EVERY_S a second
 
-Only watching costs anything: the API side asks the engine core for a snapshot (engine_core.Snapshot)
+Only watching costs anything: the API side asks the engine core for a snapshot (core_messages.Snapshot)
 at most every SNAPSHOT_EVERY_S, once for all the pages open, and the engine core builds one only when
 asked. Same origin only (no CORS headers); with --api-key the two snapshot routes want the key, as /v1
 does (the page asks for it). `serve --no-ui` leaves all of this out.
@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
-from tinyvllm.engine.engine_core import Report
+from tinyvllm.engine.core_messages import Report
+from tinyvllm.entrypoints.openai_protocol import ApiError
 from tinyvllm.model.step_plan import BLOCK_SIZE
 
 if TYPE_CHECKING:
-    from tinyvllm.entrypoints.server import AsyncEngine
+    from tinyvllm.entrypoints.async_engine import AsyncEngine   # a type only: async_engine.py imports this module
 
 UI_DIR = Path(__file__).resolve().parent / "ui"
 SNAPSHOT_EVERY_S = 0.25    # at most 4 snapshots a second, however many pages watch
@@ -159,9 +160,8 @@ async def snapshot_events(engine: AsyncEngine) -> AsyncIterator[str]:
 
 
 def add_routes(app: FastAPI, engine: AsyncEngine) -> None:
-    """The page and its two snapshot routes (the snapshots behind --api-key, as the /v1 routes: server.py's
+    """The page and its two snapshot routes (the snapshots behind --api-key, as the /v1 routes: middleware.py's
     ApiKeyCheck). None of them is in /openapi.json: they are not OpenAI's API."""
-    from tinyvllm.entrypoints.server import ApiError   # here: server.py imports this module first
     for path, (name, media_type) in FILES.items():
         app.add_api_route(path, static_file((UI_DIR / name).read_bytes(), media_type), methods=["GET"],
                           include_in_schema=False)

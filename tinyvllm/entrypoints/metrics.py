@@ -63,7 +63,7 @@ class Metrics:
         self._seen = (0, 0)        # the engine's cumulative prefix-cache counts at the last report
 
     def engine_stats(self, stats) -> None:
-        """The engine's counts after a step (an engine_core.Stats): gauges set, counters moved on."""
+        """The engine's counts after a step (a core_messages.Stats): gauges set, counters moved on."""
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_cache_usage.set(1 - stats.free_blocks / stats.num_blocks if stats.num_blocks else 0.0)

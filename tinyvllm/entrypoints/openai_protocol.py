@@ -6,7 +6,8 @@ names it: types are strict (a number is not a string), unknown fields are refuse
 tinyvllm does not build (tools, structured output, ...) are refused when set. The schema says all of it,
 rules between fields included, except what depends on the model (the vocabulary, the context window) and
 best_of == n, which JSON Schema cannot state. Responses are plain dicts in OpenAI's shapes
-(`text_completion`, `chat.completion`, their streaming `.chunk`s, usage, logprobs, errors).
+(`text_completion`, `chat.completion`, their streaming `.chunk`s, usage, logprobs, errors); ApiError refuses
+a request with one of those errors from anywhere on the API side.
 """
 from __future__ import annotations
 
@@ -301,3 +302,11 @@ ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": what} for sta
 def error(message: str, type_: str = "invalid_request_error", param: str | None = None,
           code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    """Refuse a request with an HTTP status and OpenAI's error object (server.py's handler sends it)."""
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.body, self.headers = status, error(message, type_, param, code), headers
