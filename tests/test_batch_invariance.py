@@ -302,8 +302,8 @@ def test_greedy_tokens_alone_equal_greedy_tokens_together(tiny_model_dir, seed, 
     start = llm.engine.steps
     together = [o.outputs[0] for o in llm.generate(prompts, greedy)]
     trace = llm.engine.trace_since(start)
-    assert max(len(s["decode"]) for s in trace) >= 16, "the prompts never decoded together"
-    assert any(s["prefill"] and s["decode"] for s in trace), "no decode rode in a prefill pass"
+    assert max(len(s.decode) for s in trace) >= 16, "the prompts never decoded together"
+    assert any(s.prefill and s.decode for s in trace), "no decode rode in a prefill pass"
     for i, (a, b) in enumerate(zip(alone, together)):
         part = next((t for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         if part is None:

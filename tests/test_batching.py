@@ -42,7 +42,7 @@ def test_sixteen_prompts_together_equal_each_alone(llm, prompts, alone):
     assert [o.token_ids for o in together] == alone
     engine = llm.engine
     steps = engine.trace_since(engine.steps - len(max(alone, key=len)) - 2)
-    assert max(len(s["decode"]) for s in steps) == 16          # really batched: all 16 decoding at once
+    assert max(len(s.decode) for s in steps) == 16          # really batched: all 16 decoding at once
     assert llm.engine.scheduler.block_manager.num_free == 400
 
 
@@ -87,8 +87,8 @@ def test_soak_thousand_requests_random_arrivals(tiny_llama_dir):
                                     ignore_eos=True, seed=i)
             seqs.append(llm.add_request(prompt, params))
         engine.step()
-        admitted += [s for s in engine.trace[-1]["prefill"] if s not in admitted]
-        preempted += len(engine.trace[-1]["preempted"])  # counted as it happens: the trace keeps recent steps only
+        admitted += [s for s in engine.trace[-1].prefill if s not in admitted]
+        preempted += len(engine.trace[-1].preempted)  # counted as it happens: the trace keeps recent steps only
         step += 1
     assert all(s.status is Status.FINISHED and len(s.output_ids) == s.params.max_tokens for s in seqs)
     assert admitted == sorted(admitted), "a request was admitted before one that arrived earlier"

@@ -472,8 +472,8 @@ def test_admit_and_choose_victim_in_the_engine_change_no_answer(impl, monkeypatc
     for i, (seq, expected) in enumerate(zip(seqs, alone)):
         assert seq.output_ids == expected, f"request {i} ({len(prompts[i])} prompt tokens) differs from its run alone"
     trace = engine.trace_since(0)  # every step of this run (an error if the ring forgot some)
-    first = [s for t in trace for s in t["prefill"]]
+    first = [s for t in trace for s in t.prefill]
     first = [s for i, s in enumerate(first) if s not in first[:i]]
     assert first == sorted(first), "a request started before one that arrived earlier"
-    assert max(len(t["prefill"]) + len(t["decode"]) for t in trace) <= 6, "more than max_num_seqs ran in a step"
+    assert max(len(t.prefill) + len(t.decode) for t in trace) <= 6, "more than max_num_seqs ran in a step"
     assert llm.engine.scheduler.block_manager.num_free == 12 and not llm.engine.scheduler.block_manager.tables, "blocks were not all given back"

@@ -116,7 +116,7 @@ def test_a_prompt_longer_than_the_step_buffers_matches_the_oracle_and_transforme
     ids = rng.integers(3, llm.model_config.vocab_size, 1500).tolist()
     out = llm.generate([ids], GREEDY)[0].token_ids
     trace = llm.engine.trace_since(0)
-    assert [t["chunks"] for t in trace[:6]] == [[256]] * 5 + [[1500 - 5 * 256]]
+    assert [t.chunks for t in trace[:6]] == [[256]] * 5 + [[1500 - 5 * 256]]
     cfg = load_config(default_model_dir)
     oracle = ReferenceModel(cfg, load_weights(default_model_dir, cfg).views)
     cache, expected = oracle.new_cache(len(ids) + len(out)), []
@@ -160,8 +160,8 @@ def test_random_workloads_finish_within_the_budget_with_the_tokens_they_get_alon
     assert not llm.engine.has_work(), "requests left unfinished"
     assert [s.output_ids for s in seqs] == expected
     for t in llm.engine.trace_since(0):
-        assert sum(t["chunks"]) + len(t["decode"]) <= budget, f"step {t['step']} computed past the budget"
-        assert max(t["chunks"], default=0) <= cap, f"step {t['step']}: one prompt took more than the cap"
+        assert sum(t.chunks) + len(t.decode) <= budget, f"step {t.step} computed past the budget"
+        assert max(t.chunks, default=0) <= cap, f"step {t.step}: one prompt took more than the cap"
     blocks = llm.engine.scheduler.block_manager
     assert blocks.num_free == num_blocks and not blocks.tables, "blocks were not all given back"
 
@@ -189,9 +189,9 @@ def test_a_short_prompt_starts_beside_a_long_one_and_nobody_stops_decoding(tiny_
     while engine.has_work():
         engine.step()
     trace = engine.trace_since(0)
-    long_steps = [t for t in trace if seqs[1].seq_id in t["prefill"]]
-    assert len(long_steps) == -(-600 // 32) and all(max(t["chunks"]) <= 32 for t in long_steps)
-    assert all(seqs[0].seq_id in t["decode"] for t in long_steps), "a step passed without the decoding sequence"
+    long_steps = [t for t in trace if seqs[1].seq_id in t.prefill]
+    assert len(long_steps) == -(-600 // 32) and all(max(t.chunks) <= 32 for t in long_steps)
+    assert all(seqs[0].seq_id in t.decode for t in long_steps), "a step passed without the decoding sequence"
     assert [s.output_ids for s in seqs] == expected
 
 

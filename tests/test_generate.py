@@ -84,7 +84,7 @@ def test_stream_holds_back_partial_utf8_of_forced_tokens(llm, monkeypatch):
     forced = llm.tokenizer.encode(target) + [llm.stop_token_ids[0]]
     assert any("\ufffd" in llm.tokenizer.decode([t]) for t in forced)  # some tokens hold partial characters
     script = iter(forced)
-    monkeypatch.setattr(tinyvllm.model.sampler, "sample", lambda logits, params, rng: next(script))
+    monkeypatch.setattr(tinyvllm.model.sampler, "sample_rows", lambda logits, params, rngs: [next(script)])
     chunks, out = stream_text(llm, llm.tokenizer.encode("Hi"), SamplingParams(temperature=1.0, max_tokens=64))
     assert out.outputs[0].text == "".join(chunks) == target
     assert not [c for c in chunks if "\ufffd" in c]
@@ -218,7 +218,7 @@ def test_stream_and_add_request_take_one_sample(llm):
 
 # ---------------------------------------------------------------- one request's failure is its own
 
-BAD = 3  # the request that fails: sampled (it goes through sample()), the only one asking for logprobs
+BAD = 3  # the request that fails: sampled (it goes through sample_rows()), the only one asking for logprobs
 
 
 @pytest.fixture(scope="module")
@@ -248,12 +248,16 @@ def test_a_failure_in_one_sequence_fails_it_alone(llm, eight_requests, monkeypat
             return real(*args)
         return wrapped
 
-    if fault == "sample":
-        real_sample = tinyvllm.model.sampler.sample
-        faulty = third_call_fails(real_sample)
-        monkeypatch.setattr(tinyvllm.model.sampler, "sample",
-                            lambda logits, p, rng: faulty(logits, p, rng) if p.seed == 100 + bad else
-                            real_sample(logits, p, rng))
+    if fault == "sample":   # the bad request's third token fails to draw, in a batch or alone
+        real_rows = tinyvllm.model.sampler.sample_rows
+
+        def sample_rows(logits, params, rngs):
+            if any(p.seed == 100 + bad for p in params):
+                if calls["n"] == 2:
+                    raise RuntimeError("injected fault\nwith a second line")
+                calls["n"] += 1
+            return real_rows(logits, params, rngs)
+        monkeypatch.setattr(tinyvllm.model.sampler, "sample_rows", sample_rows)
     elif fault == "logprobs":
         monkeypatch.setattr(tinyvllm.model.sampler, "raw_logprobs", third_call_fails(tinyvllm.model.sampler.raw_logprobs))
     seqs = [llm.add_request(p, s) for p, s in zip(prompts, params)]

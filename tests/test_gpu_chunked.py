@@ -32,7 +32,7 @@ def test_engine_with_a_small_budget_answers_as_with_a_big_one(gpu_model, rng):  
         with LLM(str(path), device="cuda", max_num_batched_tokens=budget, long_prefill_token_threshold=budget,
                  num_blocks=600) as llm:   # the budget alone decides the chunks
             outs[budget] = [o.token_ids for o in llm.generate(prompts, params)]
-            assert max(sum(t["chunks"]) + len(t["decode"]) for t in llm.engine.trace_since(0)) <= budget
+            assert max(sum(t.chunks) + len(t.decode) for t in llm.engine.trace_since(0)) <= budget
     pairs = [(a, b) for x, y in zip(outs[4096], outs[256]) for a, b in zip(x, y)]
     agree = sum(a == b for a, b in pairs) / len(pairs)
     assert agree >= 0.9, f"{agree:.1%} of greedy tokens agree"   # bf16: chunk boundaries change sum orders

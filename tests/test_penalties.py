@@ -121,8 +121,9 @@ def test_apply_penalties_on_random_rows_equals_the_rule():
 def test_plain_greedy_rows_never_reach_the_per_row_sampler(llm, monkeypatch):
     """The fast path: greedy rows without penalties take the batch's one argmax, never sample()."""
     def refuse(*args):
-        raise AssertionError("sample() called for a plain greedy row")
-    monkeypatch.setattr(tinyvllm.model.sampler, "sample", refuse)
+        raise AssertionError("a plain greedy row reached the per-kind sampler")
+    monkeypatch.setattr(tinyvllm.model.sampler, "sample_rows", refuse)
+    monkeypatch.setattr(tinyvllm.model.sampler, "draw", refuse)
     outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
 

@@ -179,7 +179,7 @@ def test_sixty_four_concurrent_streaming_clients(server):
     assert together == alone
     assert wait_until(lambda: pool_is_whole(server))
     one_by_one, concurrent = first_step - start_step, server.engine.client.stats.steps - first_step
-    batch = max(len(step["decode"]) for step in list(server.engine.steps)[-concurrent:])
+    batch = max(len(step.decode) for step in list(server.engine.steps)[-concurrent:])
     assert concurrent < one_by_one / 2 and batch > 1, \
         f"{concurrent} steps together vs {one_by_one} one by one, at most {batch} in a step: not batched"
 
@@ -401,14 +401,14 @@ def test_a_client_that_leaves_before_the_first_byte_is_aborted(server):
 def test_a_failure_inside_the_engine_fails_that_request_alone(monkeypatch, expected):
     """A fault injected into one request's sampling (the engine runs in a thread here, so it can be
     patched) fails that request with an error object; the others, in the same batch, are unharmed."""
-    sample = sampler_module.sample
+    sample_rows = sampler_module.sample_rows
 
-    def faulty(logits, params, rng, *args, **kwargs):
-        if params.seed == 666:
+    def faulty(logits, params, rngs):
+        if any(p.seed == 666 for p in params):   # a batch holding it fails; then its row alone does
             raise ValueError("injected fault")
-        return sample(logits, params, rng, *args, **kwargs)
+        return sample_rows(logits, params, rngs)
 
-    monkeypatch.setattr(sampler_module, "sample", faulty)
+    monkeypatch.setattr(sampler_module, "sample_rows", faulty)
     srv = start(engine_in_thread=True)
     try:
         async def together():

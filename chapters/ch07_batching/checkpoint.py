@@ -86,12 +86,12 @@ class Run:
 
     @property
     def preemptions(self) -> int:
-        return sum(len(t["preempted"]) for t in self.trace)
+        return sum(len(t.preempted) for t in self.trace)
 
     @property
     def slot_use(self) -> float:
         """The fraction of the step x slot grid that ran a sequence (prefill or decode)."""
-        busy = sum(len(t["prefill"]) + len(t["decode"]) for t in self.trace)
+        busy = sum(len(t.prefill) + len(t.decode) for t in self.trace)
         return busy / (len(self.trace) * self.max_num_seqs)
 
 
@@ -127,7 +127,7 @@ def run_continuous(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     seconds = time.perf_counter() - start
     trace = engine.trace_since(first_step)
-    first_id = min(s for t in trace for s in t["prefill"])  # request 0 is admitted first; ids count up
+    first_id = min(s for t in trace for s in t.prefill)  # request 0 is admitted first; ids count up
     return Run("continuous", [o.token_ids for o in outs], [first_id + i for i in range(len(prompts))], trace,
                seconds, [list(range(len(prompts)))], *limits(llm, prompts))
 
@@ -157,7 +157,7 @@ def limits(llm: LLM, prompts: list[list[int]]) -> tuple[list[int], int, int, int
 def to_check(runs: list[Run], count: int) -> list[int]:
     """The requests to run alone: every one preempted in a run (recomputed from its tokens: the likeliest to
     go wrong), then the first ones, `count` in all (at least every preempted one)."""
-    preempted = {i for r in runs for i, seq in enumerate(r.seq_ids) if any(seq in t["preempted"] for t in r.trace)}
+    preempted = {i for r in runs for i, seq in enumerate(r.seq_ids) if any(seq in t.preempted for t in r.trace)}
     rest = [i for i in range(len(runs[0].tokens)) if i not in preempted]
     return sorted(preempted) + rest[:max(0, count - len(preempted))]
 
@@ -169,11 +169,11 @@ def run_alone(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
 # ---- the slot timeline ----
 
 def cell(step: dict, seq: int) -> str:
-    if seq in step["prefill"]:
+    if seq in step.prefill:
         return "P"
-    if seq in step["decode"]:
+    if seq in step.decode:
         return "."
-    return "x" if seq in step["preempted"] else " "
+    return "x" if seq in step.preempted else " "
 
 
 def timeline(run: Run, labels: list[str], width: int = TIMELINE_WIDTH) -> list[str]:
@@ -204,7 +204,7 @@ def check_answers(name: str, run: Run, checked: list[int], alone: list[list[int]
 def check_pool(llm: LLM, runs: list[Run]) -> Stage:
     """(c) the pool after every run (the last run leaves it as the check finds it now)."""
     blocks, engine = llm.engine.scheduler.block_manager, llm.engine
-    ends = [r.trace[-1]["free_blocks"] for r in runs]
+    ends = [r.trace[-1].free_blocks for r in runs]
     ok = all(e == NUM_BLOCKS for e in ends) and blocks.num_free == NUM_BLOCKS and not blocks.tables \
         and not engine.has_work()
     return Stage("(c) the pool after each run", f"{NUM_BLOCKS} blocks", 0.0,
@@ -246,7 +246,7 @@ def check_scheduling(runs: list[Run]) -> Stage:
     """(d) every step of every run against the engine's scheduler replayed without a model."""
     start, module, differ = time.perf_counter(), engine_scheduler(), []
     for run in runs:
-        ours = [(t["prefill"], t["decode"], t["preempted"], t["free_blocks"]) for t in run.trace]
+        ours = [(t.prefill, t.decode, t.preempted, t.free_blocks) for t in run.trace]
         theirs = replay(module, run)
         first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         if first is not None or len(ours) != len(theirs):

@@ -88,7 +88,7 @@ def measure_throughput(concurrency=CONCURRENCY, tokens: int = THROUGHPUT_TOKENS,
             while engine.has_work():
                 t0 = time.perf_counter()
                 engine.step()
-                if not engine.trace[-1]["prefill"]:
+                if not engine.trace[-1].prefill:
                     decode_s.append(time.perf_counter() - t0)
             seconds = time.perf_counter() - start
             best[c]["seconds"] = min(best[c]["seconds"], seconds)
@@ -191,11 +191,11 @@ def draw_pool_usage() -> Figure:
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1.4, 1]})
     for run in runs:
         color = RUN_COLORS[run.name.split(",")[0]]
-        used = [checkpoint.NUM_BLOCKS - t["free_blocks"] for t in run.trace]
-        running = [len(t["prefill"]) + len(t["decode"]) for t in run.trace]
+        used = [checkpoint.NUM_BLOCKS - t.free_blocks for t in run.trace]
+        running = [len(t.prefill) + len(t.decode) for t in run.trace]
         top.step(range(len(used)), used, where="mid", color=color, lw=1.4, label=run.name)
         bottom.step(range(len(running)), running, where="mid", color=color, lw=1.4, label=run.name)
-        dry = [t for t, step in enumerate(run.trace) if step["preempted"]]
+        dry = [t for t, step in enumerate(run.trace) if step.preempted]
         top.scatter(dry, [checkpoint.NUM_BLOCKS] * len(dry), marker="v", s=60, color="#C44E52", zorder=3,
                     label=f"{run.name}: the pool ran dry, a sequence was preempted" if dry else None)
     top.axhline(checkpoint.NUM_BLOCKS, color="black", ls="--", lw=1)
@@ -345,9 +345,9 @@ def measure_chunked_prefill(budget: int = CHUNK_BUDGET) -> dict:
     ids = [s.seq_id for s in seqs]
     grid = np.zeros((len(seqs), len(trace)), np.int32)   # tokens computed per (sequence, step)
     for j, t in enumerate(trace):
-        for seq_id, count in zip(t["prefill"], t["chunks"]):
+        for seq_id, count in zip(t.prefill, t.chunks):
             grid[ids.index(seq_id), j] = count
-        for seq_id in t["decode"]:
+        for seq_id in t.decode:
             grid[ids.index(seq_id), j] = 1
     return {"grid": grid, "budget": budget, "long_prompt": len(long_prompt), "prompt_lens": [len(s.prompt_ids) for s in seqs]}
 

@@ -67,10 +67,10 @@ def run_clients(settings: EngineConfig, questions=QUESTIONS, every: int = EVERY,
     for thread in threads:
         thread.join()
     time.sleep(0.2)                           # the last step's report reaches the API side
-    steps = [s for s in server.engine.steps if s["step"] > first_step]
+    steps = [s for s in server.engine.steps if s.step > first_step]
     stats = server.engine.client.stats
     server.stop()
-    return {"clients": results, "trace": steps, "step_times": [s["time"] for s in steps],
+    return {"clients": results, "trace": steps, "step_times": [s.time for s in steps],
             "free_blocks_after": stats.free_blocks, "num_blocks": stats.num_blocks}
 
 
@@ -85,8 +85,8 @@ def draw_server_batch(run: dict | None = None) -> Figure:
     run = run or measure()
     trace, ends, clients = run["trace"], run["step_times"], run["clients"]
     steps = range(len(trace))
-    decode = [len(s["decode"]) for s in trace]
-    prefill = [len(s["prefill"]) for s in trace]
+    decode = [len(s.decode) for s in trace]
+    prefill = [len(s.prefill) for s in trace]
     arrivals = [sum(e < c["start"] for e in ends) for c in clients]   # steps finished before it was sent
     fig = Figure(figsize=(12, 7.5))
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1.2, 1]})
@@ -99,9 +99,9 @@ def draw_server_batch(run: dict | None = None) -> Figure:
     top.set_title(f"{len(clients)} streaming clients, one every {EVERY} engine steps, max_tokens "
                   f"{'/'.join(map(str, MAX_TOKENS))} in turn, through one server (SmolLM2-135M, CPU):\n"
                   f"{len(trace)} engine steps, at most {max(decode)} requests decoded together", fontsize=10)
-    seq_ids = list(dict.fromkeys(seq for s in trace for seq in s["prefill"]))  # in arrival order (FIFO)
+    seq_ids = list(dict.fromkeys(seq for s in trace for seq in s.prefill))  # in arrival order (FIFO)
     for row, (seq, sent) in enumerate(zip(seq_ids, arrivals)):
-        ran = [t for t, s in enumerate(trace) if seq in s["prefill"] or seq in s["decode"]]
+        ran = [t for t, s in enumerate(trace) if seq in s.prefill or seq in s.decode]
         bottom.barh(row, ran[0] - sent, left=sent - 0.5, height=0.6, color="#E3E3E3")
         bottom.barh(row, 1, left=ran[0] - 0.5, height=0.6, color="#C44E52")
         bottom.barh(row, ran[-1] - ran[0], left=ran[0] + 0.5, height=0.6, color="#4C72B0")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tinyvllm.engine.sampling import SamplingParams
+from tinyvllm.engine.step_record import StepRecord
 
 
 class Add(NamedTuple):
@@ -54,7 +55,7 @@ class Stats:
 class Report(NamedTuple):
     updates: list[Update]
     stats: Stats
-    step: dict | None                 # who prefilled, decoded, was preempted (request ids), for the chapter's plots
+    step: StepRecord | None           # who prefilled, decoded, was preempted (request ids), for the chapter's plots
     snapshot: dict | None = None      # the pool and the queues, only when a Snapshot was asked for
     tokens: int = 0                   # new tokens this step, every API-server process's requests together
 

@@ -24,6 +24,7 @@ from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.sampling import SamplingParams, logprob_entries
 from tinyvllm.engine.scheduler import Scheduler, Step
 from tinyvllm.engine.sequence import Sequence, Status, check_prompt
+from tinyvllm.engine.step_record import StepRecord
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.formats.config import load_config
@@ -50,7 +51,7 @@ class Engine:
         self._ids = itertools.count()
         self.steps = 0   # steps run so far
         # the last TRACE_STEPS steps: who prefilled, who decoded, who was preempted, free blocks (for plots)
-        self.trace: deque[dict] = deque(maxlen=TRACE_STEPS)
+        self.trace: deque[StepRecord] = deque(maxlen=TRACE_STEPS)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -106,7 +107,7 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    def trace_since(self, step: int) -> list[dict]:
+    def trace_since(self, step: int) -> list[StepRecord]:
         """The trace of steps `step`, step + 1, ... (read engine.steps before a run to get its steps)."""
         records, oldest = list(self.trace), self.steps - len(self.trace)
         if step < oldest:
@@ -151,9 +152,9 @@ class Engine:
                 released.append((seq, ""))
             else:
                 released.append((seq, self._isolated(seq, self._record, seq, out.tokens[i], out.logprobs[i]) or ""))
-        self.trace.append({"step": self.steps, "prefill": [s.seq_id for s in step.prefills], "chunks": step.chunks,
-                           "decode": [s.seq_id for s in step.decodes], "preempted": [s.seq_id for s in step.preempted],
-                           "free_blocks": self.scheduler.block_manager.num_free})
+        self.trace.append(StepRecord(self.steps, [s.seq_id for s in step.prefills], step.chunks,
+                                     [s.seq_id for s in step.decodes], [s.seq_id for s in step.preempted],
+                                     self.scheduler.block_manager.num_free))
         self.steps += 1
         return released
 

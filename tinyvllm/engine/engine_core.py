@@ -47,12 +47,13 @@ from tinyvllm.errors import TinyVLLMError
 
 if TYPE_CHECKING:   # the model code is imported by the engine process alone (run_engine_core)
     from tinyvllm.engine.engine import LaunchedStep
+    from tinyvllm.engine.step_record import StepRecord
 
 log = logging.getLogger(__name__)
 POLL_MS = 500              # how often the API side checks that the engine process is still alive (and the
                            # idle engine, that its API server is)
 HEARTBEAT_S = 1.0          # an idle engine still reports this often: silence means stopped or stuck
-SEQUENCE_LISTS = ("prefill", "decode", "preempted")   # the lists of sequence ids in a step's trace record
+SEQUENCE_LISTS = ("prefill", "decode", "preempted")   # the StepRecord fields that list sequence ids
 
 
 class EngineCore:
@@ -65,7 +66,6 @@ class EngineCore:
         self.sent: dict[str, int] = {}               # request id -> tokens already reported
         self.steps, self.started, self.parent = 0, time.perf_counter(), os.getppid()
         self.busy = self.idle = 0.0                  # seconds in steps, and waiting for work
-        self.queries = self.hits = 0                 # prefix cache: tokens admitted, tokens found cached
         self.snapshot_asked = False                  # a live page watches: the next Report carries a snapshot
         self.last_sent = time.monotonic()            # when the last Report went out (heartbeats while idle)
 
@@ -175,22 +175,15 @@ class EngineCore:
             self.engine.abort(self._forget(request_id))
             updates.append(Update(request_id, [], None, None, "error", f"the engine failed: {one_line(e)}"))
 
-    def _finish(self, launched: LaunchedStep, updates: list[Update]) -> dict | None:
+    def _finish(self, launched: LaunchedStep, updates: list[Update]) -> StepRecord | None:
         try:
             released = self.engine.finish_step(launched)
         except Exception as e:
             return self._engine_failed(e, updates)
         self.steps += 1
-        trace = self.engine.trace[-1]
-        for seq_id, count in zip(trace["prefill"], trace["chunks"]):
-            seq = self.requests.get(self.names.get(seq_id))
-            if seq is not None and seq.num_computed - count == seq.num_cached:   # its first chunk: looked up now
-                sampled = seq.num_computed == len(seq) - 1   # its whole prompt fit this step: a token came out
-                self.queries += len(seq) - sampled           # the tokens the prefix cache was asked about
-                self.hits += seq.num_cached
-        record = {key: [self.names.get(i, i) for i in value] if key in SEQUENCE_LISTS else value
-                  for key, value in self.engine.trace[-1].items()}   # sequence ids -> request ids (not the chunks)
-        record["step"] = self.steps
+        ran = self.engine.trace[-1]
+        record = ran._replace(step=self.steps, **{name: [self.names.get(i, i) for i in getattr(ran, name)]
+                                                  for name in SEQUENCE_LISTS})   # sequence ids -> request ids
         for seq, text in released:
             request_id = self.names.get(seq.seq_id)
             if request_id is not None:
@@ -214,8 +207,9 @@ class EngineCore:
 
     def stats(self) -> Stats:
         scheduler = self.engine.scheduler
-        return Stats(len(scheduler.running), len(scheduler.waiting), scheduler.blocks.num_free, scheduler.blocks.num_blocks,
-                     self.steps, self.queries, self.hits)
+        blocks, cache = scheduler.block_manager, scheduler.cache_stats
+        return Stats(len(scheduler.running), len(scheduler.waiting), blocks.num_free, blocks.num_blocks,
+                     self.steps, cache.queries, cache.hits)
 
 
 FAILED_LINGER_MS = 30_000   # how long a failed engine waits for its API servers to take the reason why

@@ -15,6 +15,7 @@ from tinyvllm.engine.core_client import Attachment, EngineClient
 from tinyvllm.engine.core_messages import Report, Update
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.sampling import SamplingParams
+from tinyvllm.engine.step_record import StepRecord
 from tinyvllm.entrypoints import live
 from tinyvllm.entrypoints.metrics import Metrics
 from tinyvllm.entrypoints.openai_protocol import ApiError
@@ -102,7 +103,7 @@ class AsyncEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.metrics = Metrics(model_name, engine_counters=attach is None or attach.index == 0)
         self.choices: dict[str, RequestState] = {}
-        self.steps: deque[dict] = deque(maxlen=STEP_RECORDS)
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_RECORDS)
         self.recent = live.Recent()         # the last minute's tokens/s and times to first token (the live page)
         self.board = live.SnapshotBoard(self.client.ask_snapshot, lambda part: live.page_json(part, self))
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -151,7 +152,7 @@ class AsyncEngine:
     def _dispatch(self, report: Report, now: float) -> None:
         self.metrics.engine_stats(report.stats)
         if report.step is not None:
-            self.steps.append({**report.step, "time": now})
+            self.steps.append(report.step._replace(time=now))
         self.recent.add(report, now)
         if report.snapshot is not None:     # a live page asked for one
             self.board.arrived(report.snapshot)

@@ -29,6 +29,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
 from tinyvllm.engine.core_messages import Report
+from tinyvllm.engine.step_record import StepRecord
 from tinyvllm.entrypoints.openai_protocol import ApiError
 from tinyvllm.model.step_plan import BLOCK_SIZE
 
@@ -61,7 +62,7 @@ class Recent:
     def add(self, report: Report, now: float) -> None:
         tokens = report.tokens
         if report.step is not None:
-            self.preemptions += len(report.step["preempted"])
+            self.preemptions += len(report.step.preempted)
         second = int(now)
         if self.seconds and self.seconds[-1][0] == second:
             self.seconds[-1][1] += tokens
@@ -141,12 +142,12 @@ def block_owners(running: list[dict], shown: int) -> list[int]:
     return owners
 
 
-def step_view(record: dict) -> dict:
+def step_view(record: StepRecord) -> dict:
     """One step's batch: [request, tokens] per prefill, the decodes, the preempted (each list cut at STEP_IDS)."""
-    return {"step": record["step"], "free_blocks": record["free_blocks"],
-            "prefill": [list(pair) for pair in zip(record["prefill"][:STEP_IDS], record["chunks"])],
-            "prefills": len(record["prefill"]), "decode": record["decode"][:STEP_IDS],
-            "decodes": len(record["decode"]), "preempted": record["preempted"][:STEP_IDS]}
+    return {"step": record.step, "free_blocks": record.free_blocks,
+            "prefill": [list(pair) for pair in zip(record.prefill[:STEP_IDS], record.chunks)],
+            "prefills": len(record.prefill), "decode": record.decode[:STEP_IDS],
+            "decodes": len(record.decode), "preempted": record.preempted[:STEP_IDS]}
 
 
 async def snapshot_events(engine: AsyncEngine) -> AsyncIterator[str]:

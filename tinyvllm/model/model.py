@@ -87,6 +87,7 @@ class Model:
         self.model_dir = Path(model_dir)
         ops = load_backend(device)
         self.device = "cuda" if ops.__name__.endswith("cuda_ops") else "cpu"
+        self.batch_invariant = batch_invariant
         self.ops = ops = BatchInvariantOps(ops) if batch_invariant else ops   # chapter 7: same request, same logits
         self.max_model_len = cfg.context_window(max_model_len)
         self.max_num_batched_tokens = max_num_batched_tokens

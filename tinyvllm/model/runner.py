@@ -79,7 +79,7 @@ class ModelRunner:
         samplings = [s.sampling for s in plan.prefills + plan.decodes]
         if logits is None or not any(samplings):
             return StepOutput([None] * len(samplings), [None] * len(samplings))
-        return sample_step(logits, samplings)
+        return sample_step(logits, samplings, batched=not self.model.batch_invariant)
 
     def close(self) -> None:
         """Drop the model, the pool and the graphs, and hand the memory back (on a GPU, CuPy keeps freed

@@ -10,8 +10,8 @@ turned into a token by inverting the kept tokens' cumulative distribution — so
 tokens on every run.
 
 sample_step does it for a whole step (the model runner calls it): the plain greedy rows with one argmax,
-the others row by row, the logprobs of the rows that ask with one log-softmax; a row that fails is that
-row's alone.
+the others in a few batched passes (sample_rows: 256 rows row by row would be thousands of small launches
+a step), the logprobs of the rows that ask with one log-softmax; a row that fails is that row's alone.
 """
 from __future__ import annotations
 
@@ -21,30 +21,50 @@ from tinyvllm.model.step_plan import Sampling, StepOutput
 
 
 def sample(logits, params, rng: np.random.Generator) -> int:
-    """One token id from a (vocab,) logits vector, a NumPy or CuPy array."""
-    xp = array_module(logits)
+    """One token id from a (vocab,) logits vector, a NumPy or CuPy array: sample_rows of one row."""
     if params.temperature == 0:
-        return int(xp.argmax(logits))
-    z = logits.astype(xp.float64) / params.temperature  # float64: exp of large logits stays accurate
-    probs = xp.exp(z - z.max())
-    probs /= probs.sum()
-    if params.top_k <= 0 and params.min_p == 0 and params.top_p == 1:  # nothing to cut: no sort needed
-        order, cdf, kept = None, xp.cumsum(probs), len(probs)
-    else:
-        order = xp.argsort(-probs, kind="stable") if xp is np else xp.argsort(-probs)  # most likely first
-        sorted_probs = probs[order]
-        keep = xp.ones(sorted_probs.shape, dtype=bool)
-        if params.top_k > 0:
-            keep[params.top_k:] = False
-        if params.min_p > 0:
-            keep &= sorted_probs >= params.min_p * sorted_probs[0]
-        if params.top_p < 1:  # as vLLM: top-p measures mass among the tokens top-k and min-p kept
-            mass = xp.where(keep, sorted_probs, 0.0) / sorted_probs[keep].sum()
-            keep &= (xp.cumsum(mass) - mass) < params.top_p  # keep a token if the mass before it is below top_p
-        cdf, kept = xp.cumsum(xp.where(keep, sorted_probs, 0.0)), int(keep.sum())
-    u = rng.random() * float(cdf[-1])  # the one number that crosses from the host
-    i = min(int(xp.searchsorted(cdf, u, side="right")), kept - 1)  # never past the kept tokens
-    return int(i if order is None else order[i])
+        return int(array_module(logits).argmax(logits))
+    return sample_rows(logits[None, :], [params], [rng])[0]
+
+
+def sample_rows(logits, params: list, rngs: list[np.random.Generator]) -> list[int]:
+    """One token per row of a (rows, vocab) batch of logits, every row with temperature > 0: row r as params[r]
+    says, with one uniform number from rngs[r]. Every reduction runs along a row, so a row's token does not
+    depend on the others. The rows are all cut (top-k, min-p or top-p: a sort) or none is: an uncut row is
+    drawn from the vocabulary's own order, a cut one from the sorted order."""
+    xp = array_module(logits)
+    temperature = xp.asarray([p.temperature for p in params], dtype=xp.float64)[:, None]
+    z = logits.astype(xp.float64) / temperature  # float64: exp of large logits stays accurate
+    probs = xp.exp(z - z.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    if any(cuts(p) for p in params):
+        order, cdf, kept = cut_cdf(probs, params)
+    else:  # nothing to cut: no sort needed
+        order, cdf, kept = None, xp.cumsum(probs, axis=1), probs.shape[1]
+    u = xp.asarray([rng.random() for rng in rngs]) * cdf[:, -1]  # the numbers that cross from the host
+    i = xp.minimum((cdf <= u[:, None]).sum(axis=1), kept - 1)   # searchsorted(side="right"), never past the kept
+    tokens = i if order is None else xp.take_along_axis(order, i[:, None], axis=1)[:, 0]
+    return to_host(tokens).tolist()
+
+
+def cuts(params) -> bool:
+    return params.top_k > 0 or params.min_p > 0 or params.top_p < 1
+
+
+def cut_cdf(probs, params: list):
+    """vLLM's order: top-k and min-p, then top-p among the tokens they kept. Returns the sort order (most likely
+    first), the cumulative distribution of the kept tokens in that order, and how many each row keeps."""
+    xp, vocab = array_module(probs), probs.shape[1]
+    order = xp.argsort(-probs, axis=1, kind="stable") if xp is np else xp.argsort(-probs, axis=1)
+    sorted_probs = xp.take_along_axis(probs, order, axis=1)
+    column = lambda values, dtype: xp.asarray(values, dtype=dtype)[:, None]  # noqa: E731  (one value per row)
+    keep = xp.arange(vocab)[None, :] < column([p.top_k if p.top_k > 0 else vocab for p in params], np.int64)
+    keep &= sorted_probs >= column([p.min_p for p in params], np.float64) * sorted_probs[:, :1]
+    kept_probs = xp.where(keep, sorted_probs, 0.0)
+    mass = kept_probs / kept_probs.sum(axis=1, keepdims=True)
+    top_p = column([p.top_p for p in params], np.float64)
+    keep &= ((xp.cumsum(mass, axis=1) - mass) < top_p) | (top_p >= 1)  # keep a token if the mass before it is below top_p
+    return order, xp.cumsum(xp.where(keep, sorted_probs, 0.0), axis=1), keep.sum(axis=1)
 
 
 # ---- penalties (vLLM's rule), applied to the logits before greedy or sampling ----
@@ -92,9 +112,12 @@ def array_module(a):
 
 # ---- a whole step: what the model runner calls ----
 
-def sample_step(logits, samplings: list[Sampling | None]) -> StepOutput:
+def sample_step(logits, samplings: list[Sampling | None], batched: bool = True) -> StepOutput:
     """Row i of logits (rows, vocab), on the device, drawn as samplings[i] says (None: no token). Only ids
-    and the asked logprobs reach the host. A row whose sampling or logprobs fail gets None and its error."""
+    and the asked logprobs reach the host. The plain greedy rows take ONE argmax; the others are drawn in
+    groups of one kind (greedy with penalties, sampled, sampled and cut), each group at once — or row by
+    row when not batched (the batch-invariant mode: a GPU reduction's order may depend on the rows beside).
+    A row whose sampling or logprobs fail gets None and its error."""
     tokens: list[int | None] = [None] * len(samplings)
     errors: dict[int, Exception] = {}
     plain = [i for i, s in enumerate(samplings) if s is not None and is_plain_greedy(s.params)]
@@ -102,15 +125,49 @@ def sample_step(logits, samplings: list[Sampling | None]) -> StepOutput:
         rows = logits if len(plain) == len(samplings) else logits[plain]
         for i, token in zip(plain, to_host(rows.argmax(axis=1)).tolist()):
             tokens[i] = token
+    groups: dict[str, list[int]] = {}
     for i, s in enumerate(samplings):
         if s is not None and tokens[i] is None:
-            try:
-                row = apply_penalties(logits[i], s.params, s.prompt_ids, s.output_ids) \
-                    if s.params.has_penalties else logits[i]
-                tokens[i] = sample(row, s.params, s.rng)
-            except Exception as e:   # this row's alone: the others go on
-                errors[i] = e
+            groups.setdefault(kind(s.params) if batched else str(i), []).append(i)
+    for rows in groups.values():
+        draw_group(logits, samplings, rows, tokens, errors)
     return StepOutput(tokens, step_logprobs(logits, samplings, tokens, errors), errors)
+
+
+def kind(params) -> str:
+    """Rows of one kind are drawn together: greedy (with penalties), sampled, or sampled and cut."""
+    return "greedy" if params.temperature == 0 else "cut" if cuts(params) else "sampled"
+
+
+def draw_group(logits, samplings: list[Sampling | None], rows: list[int], tokens: list, errors: dict) -> None:
+    """Tokens for rows of one kind, at once. If that fails, each row alone from its random state before, so a
+    failure is its row's alone and the other rows draw what they would have drawn."""
+    states = [samplings[i].rng.bit_generator.state for i in rows]
+    try:
+        drawn = draw(logits, [samplings[i] for i in rows], rows)
+    except Exception as e:
+        if len(rows) == 1:
+            errors[rows[0]] = e
+            return
+        for i, state in zip(rows, states):
+            samplings[i].rng.bit_generator.state = state
+            draw_group(logits, samplings, [i], tokens, errors)
+        return
+    for i, token in zip(rows, drawn):
+        tokens[i] = token
+
+
+def draw(logits, samplings: list[Sampling], rows: list[int]) -> list[int]:
+    """The penalized rows (each its own copy), then one argmax or one sample_rows for all of them."""
+    xp = array_module(logits)
+    if any(s.params.has_penalties for s in samplings):
+        batch = xp.stack([apply_penalties(logits[i], s.params, s.prompt_ids, s.output_ids)
+                          if s.params.has_penalties else logits[i] for i, s in zip(rows, samplings)])
+    else:
+        batch = logits[rows]
+    if samplings[0].params.temperature == 0:
+        return to_host(batch.argmax(axis=1)).tolist()
+    return sample_rows(batch, [s.params for s in samplings], [s.rng for s in samplings])
 
 
 def step_logprobs(logits, samplings: list[Sampling | None], tokens: list[int | None],
