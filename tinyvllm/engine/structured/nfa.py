@@ -63,17 +63,32 @@ def fragment(nfa: NFA, node: Node) -> tuple[int, int]:
 def repeat(nfa: NFA, node: Repeat, entry: int, exit_: int) -> None:
     """item{low,high}: low copies in a row, then (high - low) optional copies, or one loop if unbounded."""
     at = entry
-    for _ in range(node.low):
+    for i in range(node.low):
+        at = then_item(nfa, node, at, separated=i > 0)
+    if node.high is None:                     # a loop: one more copy, re-entered through the separator
         first, last = fragment(nfa, node.item)
-        nfa.epsilons[at].append(first)
-        at = last
-    if node.high is None:                     # a loop: enter the item any number of times
-        first, last = fragment(nfa, node.item)
-        nfa.epsilons[at] += [first, exit_]
-        nfa.epsilons[last] += [first, exit_]
+        back = then_separator(nfa, node, last)   # where the next round starts: after a separator, if any
+        nfa.epsilons[back].append(first)
+        nfa.epsilons[at] += [exit_, first if node.low == 0 else back]
+        nfa.epsilons[last].append(exit_)
         return
-    for _ in range(node.high - node.low):     # each optional copy may be the last
-        first, last = fragment(nfa, node.item)
-        nfa.epsilons[at] += [first, exit_]
-        at = last
+    for i in range(node.low, node.high):      # each optional copy may be the last
+        nfa.epsilons[at].append(exit_)
+        at = then_item(nfa, node, at, separated=i > 0)
     nfa.epsilons[at].append(exit_)
+
+
+def then_item(nfa: NFA, node: Repeat, at: int, separated: bool) -> int:
+    """After state `at`: the separator (when separated), then the item; returns the item's exit."""
+    at = then_separator(nfa, node, at) if separated else at
+    first, last = fragment(nfa, node.item)
+    nfa.epsilons[at].append(first)
+    return last
+
+
+def then_separator(nfa: NFA, node: Repeat, at: int) -> int:
+    if node.separator is None:
+        return at
+    first, last = fragment(nfa, node.separator)
+    nfa.epsilons[at].append(first)
+    return last

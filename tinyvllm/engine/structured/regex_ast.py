@@ -29,10 +29,12 @@ class Alt:
 
 @dataclass(frozen=True)
 class Repeat:
-    """item, from low to high times (high None: no limit)."""
+    """item, from low to high times (high None: no limit), with `separator` between two items (JSON's
+    commas: one copy of the item in the automaton, where `item (, item)*` would build two)."""
     item: object
     low: int
     high: int | None
+    separator: object = None
 
 
 Node = ByteSet | Seq | Alt | Repeat
