@@ -262,7 +262,7 @@ class EngineCore:
 
     def stats(self) -> Stats:
         scheduler = self.engine.scheduler
-        return Stats(len(scheduler.running), len(scheduler.waiting), scheduler.blocks.num_free, scheduler.blocks.num_blocks,
+        return Stats(len(scheduler.running), len(scheduler.waiting), scheduler.block_manager.num_free, scheduler.block_manager.num_blocks,
                      self.steps, self.queries, self.hits)
 
 
