@@ -1,5 +1,6 @@
 """tinyvllm: a small vLLM for Llama models, built chapter by chapter in NumPy and CuPy."""
 from tinyvllm.engine.sampling import Logprob, SamplingParams
+from tinyvllm.engine.structured.params import StructuredOutputsParams
 from tinyvllm.errors import TinyVLLMError
 
 
@@ -10,4 +11,4 @@ def __getattr__(name: str):  # LLM pulls in the model code: import it only when 
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "Logprob", "SamplingParams", "TinyVLLMError"]
+__all__ = ["LLM", "Logprob", "SamplingParams", "StructuredOutputsParams", "TinyVLLMError"]

@@ -25,6 +25,7 @@ from tinyvllm.engine.sampling import SamplingParams, logprob_entries
 from tinyvllm.engine.scheduler import Scheduler, Step
 from tinyvllm.engine.sequence import Sequence, Status, check_prompt
 from tinyvllm.engine.step_record import StepRecord
+from tinyvllm.engine.structured.compiler import StructuredOutputCompiler
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.formats.config import load_config
@@ -48,6 +49,7 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_token_ids) | set(runner.model.cfg.eos_token_ids)
         self.scheduler = Scheduler(runner.pool.num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching, config.long_prefill_token_threshold)
+        self.structured = StructuredOutputCompiler(tokenizer.token_bytes, runner.model.cfg.vocab_size)
         self._ids = itertools.count()
         self.steps = 0   # steps run so far
         # the last TRACE_STEPS steps: who prefilled, who decoded, who was preempted, free blocks (for plots)
@@ -102,8 +104,9 @@ class Engine:
             raise TinyVLLMError(f"a sequence is one sample but params.n is {params.n}; add params.child(i) "
                                 "for each sample i, or use LLM.generate")
         self.check_prompt(prompt_ids)
+        constraint = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
         seq = Sequence.create(next(self._ids), prompt_ids, params, self.max_model_len, self.stop_ids,
-                              self.tokenizer, incremental=stream, detokenize=detokenize)
+                              self.tokenizer, incremental=stream, detokenize=detokenize, constraint=constraint)
         self.scheduler.add(seq)
         return seq
 

@@ -16,6 +16,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
+from tinyvllm.engine.structured.params import StructuredOutputsParams
 from tinyvllm.errors import TinyVLLMError
 
 GREEDY_BELOW = 1e-5                 # vLLM's _SAMPLING_EPS: a smaller temperature is greedy (logits / T overflows)
@@ -42,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output so far
     repetition_penalty: float = 1.0  # > 1 discourages every token seen in the prompt or the output
     logprobs: int | None = None     # report the k likeliest tokens (and the sampled one) per output token
+    structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar (chapter 11)
 
     def __post_init__(self):
         self.temperature = _real("temperature", self.temperature, lambda t: t >= 0, ">= 0")
@@ -59,6 +61,8 @@ class SamplingParams:
                                         lambda r: r >= MIN_REPETITION_PENALTY, f">= {MIN_REPETITION_PENALTY}")
         self.logprobs = _integer("logprobs", self.logprobs, lambda k: 0 <= k <= MAX_LOGPROBS,
                                  f"from 0 to {MAX_LOGPROBS}", optional=True)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise TinyVLLMError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r:.80}")
         if not isinstance(self.ignore_eos, bool):
             raise TinyVLLMError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         self.stop = _stop_strings(self.stop)

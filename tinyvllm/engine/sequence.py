@@ -3,6 +3,8 @@
 A sequence is WAITING (queued, or preempted and queued again), RUNNING (its prompt goes through prefill,
 in chunks if the step's token budget is smaller, then it decodes one token per step) or FINISHED. Its text is built token by token: complete UTF-8 only, and
 never past a stop string (the last few characters are held back until they cannot start one).
+A structured output's Matcher (chapter 11) moves on every token and sets the mask of the next one; once the
+output is complete and only a stop token could follow, the sequence stops there.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from tinyvllm.engine.sampling import Logprob, SamplingParams, rng_for
+from tinyvllm.engine.structured.token_dfa import Matcher, TokenDFA
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer
 from tinyvllm.model.step_plan import Sampling
@@ -62,21 +65,25 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # prefix caching: its full blocks' chained hashes
     incremental: bool = True           # text token by token (streaming, stop strings); else once, at the end
     detokenize: bool = True            # False: no text at all (the server's API process decodes the ids)
+    matcher: Matcher | None = None     # structured outputs: where the output is in its automaton
 
     def __post_init__(self):
         self.rng = rng_for(self.params.seed)  # its own generator: a seed means the same tokens
         # what the plan tells the model runner when this sequence samples: the same lists, read in place
-        self.sampling = Sampling(self.params, self.rng, self.prompt_ids, self.output_ids)
+        self.sampling = Sampling(self.params, self.rng, self.prompt_ids, self.output_ids,
+                                 None if self.matcher is None else self.matcher.allowed())
 
     @classmethod
     def create(cls, seq_id: int, prompt_ids: list[int], params: SamplingParams, max_model_len: int,
                stop_ids: set[int], tokenizer: Tokenizer, incremental: bool = True,
-               detokenize: bool = True) -> Sequence:
+               detokenize: bool = True, constraint: TokenDFA | None = None) -> Sequence:
+        """constraint: the compiled structured output the tokens must follow (None: free text)."""
         room = max_model_len - len(prompt_ids)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else stop_ids)
         return cls(seq_id, list(prompt_ids), params, min(params.max_tokens or room, room), stops,
                    IncrementalDecoder(tokenizer), incremental=incremental or bool(params.stop),
-                   detokenize=detokenize, logprobs=None if params.logprobs is None else [])
+                   detokenize=detokenize, logprobs=None if params.logprobs is None else [],
+                   matcher=None if constraint is None else Matcher(constraint, stops))
 
     @property
     def token_ids(self) -> list[int]:
@@ -104,10 +111,11 @@ class Sequence:
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
         self.output_ids.append(token)
+        complete = self._follow(token)
         if not self.incremental:                       # the text is decoded once, when the sequence ends
-            if token in self.stop_ids or len(self.output_ids) >= self.max_tokens:
+            if token in self.stop_ids or complete or len(self.output_ids) >= self.max_tokens:
                 ids = self.output_ids[:-1] if token in self.stop_ids else self.output_ids
-                reason = "stop" if token in self.stop_ids else "length"
+                reason = "stop" if token in self.stop_ids or complete else "length"
                 return self._finish(reason, self.decoder.tokenizer.decode(ids) if self.detokenize else "", now)
             return ""
         if token in self.stop_ids:                     # a stop token ends the output and is not text
@@ -116,12 +124,25 @@ class Sequence:
         cut = min((i for i in (self.held.find(s) for s in self.params.stop) if i >= 0), default=-1)
         if cut >= 0:                                   # a stop string ends the text exactly where it begins
             return self._finish("stop", self.held[:cut], now)
+        if complete:                                   # the structured output is whole: nothing may follow
+            return self._finish("stop", self.held + self.decoder.flush(), now)
         if len(self.output_ids) >= self.max_tokens:
             return self._finish("length", self.held + self.decoder.flush(), now)
         hold = max((len(s) for s in self.params.stop), default=1) - 1  # chars that may start a stop string
         ready, self.held = self.held[:max(len(self.held) - hold, 0)], self.held[max(len(self.held) - hold, 0):]
         self.text += ready
         return ready
+
+    def _follow(self, token: int) -> bool:
+        """Structured outputs: move the matcher past the token and set the next step's mask. True when the
+        output is complete and only a stop token could follow (the sequence stops without sampling it)."""
+        if self.matcher is None or token in self.stop_ids:
+            return False
+        self.matcher.advance(token)
+        if self.matcher.must_stop():
+            return True
+        self.sampling.allowed = self.matcher.allowed()
+        return False
 
     def fail(self, error: str) -> None:
         """End this sequence alone after a failure: finish_reason "error", the text held back is dropped."""

@@ -79,7 +79,7 @@ class RequestState:
         if self._decoder is None:           # the engine made the text (stop strings), or not streaming
             text, self._engine_text = self._engine_text, ""
             return text, ids, logprobs
-        text_ids = ids[:-1] if self.finish_reason == "stop" and ids else ids   # a stop token is not text
+        text_ids = ids[:-1] if ids and self.ends_on_stop_token() else ids   # a stop token is not text
         text = "".join(self._decoder.feed(t) for t in text_ids)
         return (text + self._decoder.flush() if self.finished else text), ids, logprobs
 
@@ -87,8 +87,15 @@ class RequestState:
         """The whole text at the end (non-streaming): one decode call, not one per token."""
         if self.params.stop:
             return self._engine_text
-        ids = self.token_ids[:-1] if self.finish_reason == "stop" else self.token_ids
+        ids = self.token_ids[:-1] if self.ends_on_stop_token() else self.token_ids
         return self.tokenizer.decode(ids)
+
+    def ends_on_stop_token(self) -> bool:
+        """A "stop" finish ends on a stop token, except a structured output's, which also stops once complete."""
+        if self.finish_reason != "stop" or not self.token_ids:
+            return False
+        stops = set(self.tokenizer.stop_token_ids) | set(self.params.stop_token_ids)
+        return self.params.structured_outputs is None or self.token_ids[-1] in stops
 
 
 class AsyncEngine:

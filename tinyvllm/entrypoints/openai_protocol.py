@@ -3,7 +3,7 @@
 Requests are pydantic models that FastAPI publishes in /openapi.json (so schema-driven fuzzers and client
 generators see them). Every field is either honoured with vLLM's semantics or refused with a 400 that
 names it: types are strict (a number is not a string), unknown fields are refused, and the OpenAI fields
-tinyvllm does not build (tools, structured output, ...) are refused when set. The schema says all of it,
+tinyvllm does not build (tools, logit_bias, ...) are refused when set. The schema says all of it,
 rules between fields included, except what depends on the model (the vocabulary, the context window) and
 best_of == n, which JSON Schema cannot state. Responses are plain dicts in OpenAI's shapes
 (`text_completion`, `chat.completion`, their streaming `.chunk`s, usage, logprobs, errors); ApiError refuses
@@ -20,6 +20,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from tinyvllm.engine.sampling import MAX_LOGPROBS, MAX_N, MIN_REPETITION_PENALTY, SamplingParams
+from tinyvllm.entrypoints.structured_request import from_response_format, from_structured_outputs, structured_params
+from tinyvllm.errors import TinyVLLMError
 
 
 
@@ -43,7 +45,7 @@ Text = Annotated[str, Field(strict=True, min_length=1)]   # a prompt: empty text
 
 # OpenAI fields tinyvllm does not build: accepted only at the value that means "not used".
 NOT_BUILT = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-             "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+             "parallel_tool_calls": (None,), "logit_bias": (None, {}),
              "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
              "web_search_options": (None,), "reasoning_effort": (None,), "store": (None, False),
              "metadata": (None,), "service_tier": (None, "auto", "default")}
@@ -95,7 +97,8 @@ class _Request(BaseModel):
     functions: list | None = not_built("functions")
     function_call: str | dict | None = not_built("function_call")
     parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = not_built("parallel_tool_calls")
-    response_format: dict | None = not_built("response_format")
+    response_format: dict | None = None                # text, json_object or json_schema (chapter 11)
+    structured_outputs: dict | None = None             # vLLM's extra field: json, regex, choice, grammar, json_object
     logit_bias: dict | None = not_built("logit_bias")
     audio: dict | None = not_built("audio")
     modalities: list | None = not_built("modalities")
@@ -113,6 +116,20 @@ class _Request(BaseModel):
             raise ValueError(f"{info.field_name} is not supported by tinyvllm; leave it out")
         return value
 
+    @field_validator("response_format", "structured_outputs")
+    @classmethod
+    def _constraint_compiles(cls, value, info: ValidationInfo):
+        """A bad schema or regex is a 400 naming the field (it is parsed again for the engine: milliseconds)."""
+        if value is None:
+            return value
+        if info.field_name == "structured_outputs" and info.data.get("response_format") not in (None, {"type": "text"}):
+            raise ValueError("give response_format or structured_outputs, not both")
+        try:
+            (from_response_format if info.field_name == "response_format" else from_structured_outputs)(value)
+        except TinyVLLMError as e:
+            raise ValueError(str(e)) from None
+        return value
+
     @field_validator("stream_options")   # fields are checked in order: `stream` is known here
     @classmethod
     def _options_need_a_stream(cls, value, info: ValidationInfo):
@@ -127,7 +144,8 @@ class _Request(BaseModel):
                      repetition_penalty=self.repetition_penalty)
         return SamplingParams(**{k: v for k, v in given.items() if v is not None}, seed=self.seed, n=self.n,
                               max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, logprobs=logprobs)
+                              ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              structured_outputs=structured_params(self.response_format, self.structured_outputs))
 
     @property
     def include_usage(self) -> bool:

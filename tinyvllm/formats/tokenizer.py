@@ -87,6 +87,7 @@ class Tokenizer:
                  source: str = "the tokenizer") -> None:
         """model_vocab_size: the model's vocabulary, when known; source: the file defining the special tokens."""
         self.special_tokens = special_tokens
+        self._special_ids = set(special_tokens.values())
         self.model_vocab_size, self.source = model_vocab_size, source
         self.bos_token, self.eos_token, self.chat_template = bos_token, eos_token, chat_template
         self.bos_token_id = special_tokens.get(bos_token)
@@ -119,6 +120,15 @@ class Tokenizer:
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return self._enc.decode_bytes([i for i in ids if i not in self._sentinel_ids])
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """A regular token's bytes; None for a special token or an id the vocabulary does not have."""
+        if token_id in self._special_ids or token_id in self._sentinel_ids:
+            return None
+        try:
+            return self._enc.decode_single_token_bytes(token_id)
+        except KeyError:
+            return None
 
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")

@@ -9,6 +9,10 @@ The randomness is one uniform number per token from the request's own seeded gen
 turned into a token by inverting the kept tokens' cumulative distribution — so a seed gives the same
 tokens on every run.
 
+A structured output's mask (Sampling.allowed) comes first: the tokens it forbids get logit -inf before
+anything else, so greedy, penalties, temperature, top-k/p, min-p and the logprobs all see the masked
+distribution (vLLM's behaviour).
+
 sample_step does it for a whole step (the model runner calls it): the plain greedy rows with one argmax,
 the others in a few batched passes (sample_rows: 256 rows row by row would be thousands of small launches
 a step), the logprobs of the rows that ask with one log-softmax; a row that fails is that row's alone.
@@ -120,6 +124,7 @@ def sample_step(logits, samplings: list[Sampling | None], batched: bool = True) 
     A row whose sampling or logprobs fail gets None and its error."""
     tokens: list[int | None] = [None] * len(samplings)
     errors: dict[int, Exception] = {}
+    logits = apply_masks(logits, samplings)
     plain = [i for i, s in enumerate(samplings) if s is not None and is_plain_greedy(s.params)]
     if plain:   # the greedy rows without penalties, all with ONE argmax (no gather when every row is one)
         rows = logits if len(plain) == len(samplings) else logits[plain]
@@ -168,6 +173,18 @@ def draw(logits, samplings: list[Sampling], rows: list[int]) -> list[int]:
     if samplings[0].params.temperature == 0:
         return to_host(batch.argmax(axis=1)).tolist()
     return sample_rows(batch, [s.params for s in samplings], [s.rng for s in samplings])
+
+
+def apply_masks(logits, samplings: list[Sampling | None]):
+    """The logits with -inf where a row's mask forbids a token (a copy; the same logits when no row has a mask).
+    Only the masked rows' (vocab,) bool masks cross to the device."""
+    rows = [i for i, s in enumerate(samplings) if s is not None and s.allowed is not None]
+    if not rows:
+        return logits
+    xp = array_module(logits)
+    masked = logits.copy()
+    masked[rows] = xp.where(xp.asarray(np.stack([samplings[i].allowed for i in rows])), logits[rows], -xp.inf)
+    return masked
 
 
 def step_logprobs(logits, samplings: list[Sampling | None], tokens: list[int | None],

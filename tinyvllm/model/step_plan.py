@@ -31,11 +31,13 @@ def blocks_for(num_tokens: int) -> int:
 @dataclass
 class Sampling:
     """How one sequence's next token is drawn: its request's SamplingParams (temperature, top_k, top_p,
-    min_p, the penalties, logprobs), its own seeded generator, and the tokens the penalties look at."""
+    min_p, the penalties, logprobs), its own seeded generator, the tokens the penalties look at, and
+    which tokens may come next at all (structured outputs: a (vocab,) bool mask; None: any token)."""
     params: object
     rng: np.random.Generator
     prompt_ids: list[int]
     output_ids: list[int]
+    allowed: np.ndarray | None = None
 
 
 @dataclass

@@ -1,0 +1,38 @@
+"""Chapter 11: the engine's side — constraints compiled into token automata over its vocabulary, cached.
+
+The vocabulary trie is built once per engine (the first structured request pays for it). A constraint's
+DFA is built once per distinct constraint (many requests share a schema) and kept for the last
+CACHE_SIZE constraints; each keeps the token masks of the states its requests have visited.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tinyvllm.engine.structured.dfa import compile_dfa
+from tinyvllm.engine.structured.params import StructuredOutputsParams
+from tinyvllm.engine.structured.token_dfa import TokenDFA
+from tinyvllm.engine.structured.vocabulary import Vocabulary, build_vocabulary
+
+CACHE_SIZE = 32              # distinct constraints kept compiled (with their cached masks)
+
+
+class StructuredOutputCompiler:
+    def __init__(self, token_bytes, vocab_size: int):
+        """token_bytes(id) -> bytes or None (special tokens); vocab_size: the model's (its logits' width)."""
+        self._token_bytes, self._vocab_size = token_bytes, vocab_size
+        self._vocab: Vocabulary | None = None
+        self._compiled: OrderedDict[str, TokenDFA] = OrderedDict()
+
+    @property
+    def vocab(self) -> Vocabulary:
+        if self._vocab is None:
+            self._vocab = build_vocabulary([self._token_bytes(i) for i in range(self._vocab_size)])
+        return self._vocab
+
+    def compile(self, params: StructuredOutputsParams) -> TokenDFA:
+        key = params.key()
+        token_dfa = self._compiled.pop(key, None) or TokenDFA(compile_dfa(params.tree()), self.vocab)
+        self._compiled[key] = token_dfa          # the most recently used last
+        while len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return token_dfa
