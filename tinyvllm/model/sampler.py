@@ -11,9 +11,13 @@ tokens on every run.
 
 sample_step does it for a whole step (the model runner calls it): the plain greedy rows with one argmax,
 the others row by row, the logprobs of the rows that ask with one log-softmax; a row that fails is that
-row's alone.
+row's alone. A sequence that verifies proposals (chapter 10, speculative decoding) owns several rows, and
+verify() decides which of its proposals it keeps.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import accumulate
 
 import numpy as np
 
@@ -92,44 +96,73 @@ def array_module(a):
 
 # ---- a whole step: what the model runner calls ----
 
-def sample_step(logits, samplings: list[Sampling | None]) -> StepOutput:
-    """Row i of logits (rows, vocab), on the device, drawn as samplings[i] says (None: no token). Only ids
-    and the asked logprobs reach the host. A row whose sampling or logprobs fail gets None and its error."""
-    tokens: list[int | None] = [None] * len(samplings)
+def sample_step(logits, samplings: list[Sampling | None], proposals: list[list[int]] | None = None) -> StepOutput:
+    """Entry i of the step owns len(proposals[i]) + 1 consecutive rows of logits (rows, vocab), on the device: one
+    row, or one per proposed token and one more when it verifies proposals (chapter 10). It emits what verify()
+    keeps of its proposals (just the drawn token without any), drawn as samplings[i] says (None: no token). Only
+    ids and the asked logprobs reach the host. An entry whose sampling or logprobs fail gets no ids and its error."""
+    proposals = proposals or [[] for _ in samplings]
+    firsts = [0, *accumulate(len(p) + 1 for p in proposals)][:-1]   # each entry's first row
+    tokens: list[list[int]] = [[] for _ in samplings]
     errors: dict[int, Exception] = {}
     plain = [i for i, s in enumerate(samplings) if s is not None and is_plain_greedy(s.params)]
     if plain:   # the greedy rows without penalties, all with ONE argmax (no gather when every row is one)
-        rows = logits if len(plain) == len(samplings) else logits[plain]
-        for i, token in zip(plain, to_host(rows.argmax(axis=1)).tolist()):
-            tokens[i] = token
+        rows = [firsts[i] + j for i in plain for j in range(len(proposals[i]) + 1)]
+        best = to_host((logits if len(rows) == len(logits) else logits[rows]).argmax(axis=1)).tolist()
+        at = dict(zip(rows, best))
+        for i in plain:
+            tokens[i] = verify(lambda j, accepted: at[firsts[i] + j], proposals[i])
     for i, s in enumerate(samplings):
-        if s is not None and tokens[i] is None:
+        if s is not None and i not in plain:
             try:
-                row = apply_penalties(logits[i], s.params, s.prompt_ids, s.output_ids) \
-                    if s.params.has_penalties else logits[i]
-                tokens[i] = sample(row, s.params, s.rng)
-            except Exception as e:   # this row's alone: the others go on
+                tokens[i] = verify(lambda j, accepted: draw(logits[firsts[i] + j], s, accepted), proposals[i])
+            except Exception as e:   # this entry's alone: the others go on
                 errors[i] = e
-    return StepOutput(tokens, step_logprobs(logits, samplings, tokens, errors), errors)
+    return StepOutput(tokens, step_logprobs(logits, samplings, tokens, firsts, errors), errors)
 
 
-def step_logprobs(logits, samplings: list[Sampling | None], tokens: list[int | None],
-                  errors: dict[int, Exception]) -> list[tuple | None]:
-    """For the rows that asked, from ONE log-softmax over those rows of the raw logits: (the sampled token's
-    logprob, its rank, the top ids, their logprobs), on the host. A failure fails every row in the batch."""
-    out: list[tuple | None] = [None] * len(samplings)
+def verify(target: Callable[[int, list[int]], int], proposals: list[int]) -> list[int]:
+    """Chapter 10's acceptance rule, for proposals from a deterministic proposer (n-gram lookup, a greedy draft).
+    target(j, accepted) is the target model's token at position j, drawn as plain decoding would draw it after
+    the tokens accepted so far. A proposal is kept while it equals the target's token; the first that differs is
+    replaced by the target's (the bonus token), and after k kept ones the target's next token is the bonus.
+    One draw per emitted token, in order: the same seed emits the same tokens with or without speculation.
+    It is Leviathan et al.'s rejection sampling when the proposal distribution is one-hot on x: accept x with
+    probability p(x), else draw from p without x, renormalized — exactly a draw from p that did not give x."""
+    emitted = [target(0, [])]
+    while len(emitted) <= len(proposals) and emitted[-1] == proposals[len(emitted) - 1]:
+        emitted.append(target(len(emitted), emitted))
+    return emitted
+
+
+def draw(row, s: Sampling, accepted: list[int]) -> int:
+    """One token from one row of logits, as s says; the penalties count the tokens accepted before this position."""
+    if s.params.has_penalties:
+        row = apply_penalties(row, s.params, s.prompt_ids, s.output_ids + accepted)
+    return sample(row, s.params, s.rng)
+
+
+def step_logprobs(logits, samplings: list[Sampling | None], tokens: list[list[int]], firsts: list[int],
+                  errors: dict[int, Exception]) -> list[list[tuple] | None]:
+    """For the entries that asked, from ONE log-softmax over the rows of their emitted ids in the raw logits: per
+    id (its logprob, its rank, the top ids, their logprobs), on the host. A failure fails every entry in the batch."""
+    out: list[list[tuple] | None] = [None] * len(samplings)
     asked = [i for i, s in enumerate(samplings) if s is not None and s.params.logprobs is not None
              and i not in errors]
     if not asked:
         return out
+    rows = [firsts[i] + j for i in asked for j in range(len(tokens[i]))]
     try:
         k = max(samplings[i].params.logprobs for i in asked)
-        top, values, chosen, ranks = (to_host(a) for a in raw_logprobs(logits[asked], [tokens[i] for i in asked], k))
-    except Exception as e:   # a batch operation: every row in it fails, the other rows go on
+        emitted = [t for i in asked for t in tokens[i]]
+        top, values, chosen, ranks = (to_host(a) for a in raw_logprobs(logits[rows], emitted, k))
+    except Exception as e:   # a batch operation: every entry in it fails, the other entries go on
         errors.update({i: e for i in asked})
         return out
-    for r, i in enumerate(asked):
-        out[i] = (chosen[r], ranks[r], top[r], values[r])
+    r = 0
+    for i in asked:
+        out[i] = [(chosen[r + j], ranks[r + j], top[r + j], values[r + j]) for j in range(len(tokens[i]))]
+        r += len(tokens[i])
     return out
 
 
