@@ -155,7 +155,8 @@ class Engine:
                 self._fail(seq, out.errors[i])
                 released.append((seq, ""))
             else:
-                released.append((seq, self._isolated(seq, self._record, seq, plan, out.tokens[i], out.logprobs[i]) or ""))
+                text = self._isolated(seq, self._record, seq, plan, out.tokens[i], out.logprobs[i])
+                released.append((seq, text or ""))
         decoding = step.verifies + step.decodes
         self.trace.append({"step": self.steps, "prefill": [s.seq_id for s in step.prefills], "chunks": step.chunks,
                            "decode": [s.seq_id for s in decoding], "preempted": [s.seq_id for s in step.preempted],

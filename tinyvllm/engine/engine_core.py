@@ -91,6 +91,9 @@ class Stats:
     steps: int = 0
     prefix_cache_queries: int = 0     # prompt tokens admitted so far (recomputed ones included)
     prefix_cache_hits: int = 0        # of which found in the prefix cache, not computed
+    spec_decode_num_drafts: int = 0           # speculative decoding (chapter 10): verifications so far
+    spec_decode_num_draft_tokens: int = 0     # tokens proposed
+    spec_decode_num_accepted_tokens: int = 0  # of which kept
 
 
 class Report(NamedTuple):
@@ -261,9 +264,10 @@ class EngineCore:
                       finish_reason, seq.error)
 
     def stats(self) -> Stats:
-        scheduler = self.engine.scheduler
-        return Stats(len(scheduler.running), len(scheduler.waiting), scheduler.blocks.num_free, scheduler.blocks.num_blocks,
-                     self.steps, self.queries, self.hits)
+        scheduler, spec = self.engine.scheduler, self.engine.spec_stats
+        blocks = scheduler.block_manager
+        return Stats(len(scheduler.running), len(scheduler.waiting), blocks.num_free, blocks.num_blocks,
+                     self.steps, self.queries, self.hits, spec.verifications, spec.proposed, spec.accepted)
 
 
 def report_bytes(report: Report) -> bytes:

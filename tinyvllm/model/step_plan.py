@@ -85,5 +85,5 @@ class StepOutput:
     """What a step gives back, on the host, one entry per SeqStep of the plan (plan.steps' order)."""
     tokens: list[list[int]]                   # the ids it emits: one, several after a verification (chapter 10),
                                               # none where nothing was sampled or it failed (vLLM's sampled_token_ids)
-    logprobs: list[list[tuple] | None]        # where asked, per emitted id: (its logprob, its rank, top ids, top logprobs)
+    logprobs: list[list[tuple] | None]        # where asked, per emitted id: (logprob, rank, top ids, top logprobs)
     errors: dict[int, Exception] = field(default_factory=dict)   # entry -> why its sampling failed (its alone)
