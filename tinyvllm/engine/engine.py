@@ -55,7 +55,8 @@ class Engine:
         self.spec_stats = SpecDecodeStats()   # chapter 10: proposed and accepted tokens, verifications
         self._ids = itertools.count()
         self.steps = 0   # steps run so far
-        # the last TRACE_STEPS steps: who prefilled, who decoded, who was preempted, free blocks (for plots)
+        # the last TRACE_STEPS steps: who prefilled, who decoded (with how many proposals), who was preempted, free
+        # blocks (for plots)
         self.trace: deque[dict] = deque(maxlen=TRACE_STEPS)
 
     @classmethod

@@ -156,10 +156,9 @@ class Scheduler:
                     for s, p in zip(step.verifies, step.proposals)]
         decodes = plan_decode(self.block_manager, [s.seq_id for s in step.decodes],
                               [s.last_token for s in step.decodes])
-        for seq, count in zip(step.prefills + step.decodes, step.chunks + [1] * len(step.decodes)):
-            seq.num_computed += count                  # their K/V are in the pool once the step has run
-        for seq in step.verifies:                      # the newest token; the kept proposals count after the step
-            seq.num_computed += 1
+        for seq, count in zip(step.sequences, step.chunks + [1] * (len(step.verifies) + len(step.decodes))):
+            seq.num_computed += count                  # their K/V are in the pool once the step has run (kept
+                                                       # proposals count after it: Scheduler.verified)
         for seq, planned in zip(step.sequences, prefills + verifies + decodes):
             planned.sampling = seq.sampling if seq.num_computed == len(seq) else None   # a prompt's last chunk, a decode
         step.plan = StepPlan(prefills, verifies, decodes)
