@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--out", help="where to write the JSON (default: bench/results/spec-decode-cpu-<time>.json)")
     args = parser.parse_args()
+    load_at_start = os.getloadavg()
     results = bench(args.model, args.tokens, args.runs, args.k)
     for name, r in results.items():
         off, on = r["tokens_per_s"]["off"], r["tokens_per_s"]["ngram"]
@@ -119,7 +120,7 @@ def main() -> None:
                      "max_tokens": args.tokens, "runs": args.runs, "num_speculative_tokens": args.k},
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count(),
                     "python": platform.python_version(), "numpy": np.__version__, "threads": thread_settings(),
-                    "load_average_at_start": os.getloadavg()},
+                    "load_average_at_start": load_at_start},
         "results": results}, args.out)
 
 
