@@ -129,10 +129,20 @@ class BlockManager:
     def free(self, seq: int) -> None:
         """Give back a finished (or aborted) sequence's blocks; a shared block stays until its last user goes."""
         for block in self.tables.pop(seq):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+            self._release(block)
         del self.lengths[seq]
+
+    def truncate(self, seq: int, num_tokens: int) -> None:
+        """Keep only the first num_tokens tokens of a sequence (chapter 10: the K/V of rejected proposals are
+        dropped); the blocks past them go back. The slots of dropped tokens in its last block are simply
+        written again by the next tokens: only lengths says what a block holds."""
+        if not 0 <= num_tokens <= self.lengths[seq]:
+            raise TinyVLLMError(f"sequence {seq} holds {self.lengths[seq]} tokens; cannot keep {num_tokens}")
+        table = self.tables[seq]
+        for block in table[blocks_for(num_tokens):]:
+            self._release(block)
+        del table[blocks_for(num_tokens):]   # in place: a step plan may hold this very list
+        self.lengths[seq] = num_tokens
 
     def slot_mapping(self, seq: int, start: int, count: int) -> np.ndarray:
         """The physical slots of tokens start .. start + count - 1 of a sequence (what the kernels write to)."""
@@ -149,6 +159,12 @@ class BlockManager:
         block = self.free_blocks.popleft()
         self.ref_counts[block] = 1
         return block
+
+    def _release(self, block: int) -> None:
+        """One user fewer; a block nobody uses is free again."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
 
 
 # The step plan of the sequences a step runs (chapter 7's scheduler builds it; chapter 6 calls these directly)
@@ -168,3 +184,11 @@ def plan_decode(blocks: BlockManager, seqs: list[int], tokens: list[int]) -> lis
     a new block taken when the last one is full."""
     return [SeqStep([token], blocks.lengths[s], [blocks.append_slot(s)], blocks.tables[s])
             for s, token in zip(seqs, tokens)]
+
+
+def plan_verify(blocks: BlockManager, seq: int, token: int, proposals: list[int]) -> SeqStep:
+    """Chapter 10: a running sequence's newest token and the k tokens proposed after it, as one chunk: k + 1 slots,
+    new blocks taken as needed (those of rejected proposals go back after the step: truncate)."""
+    start = blocks.lengths[seq]
+    slots = blocks.extend(seq, 1 + len(proposals))
+    return SeqStep([token, *proposals], start, slots, blocks.tables[seq], proposed=len(proposals))

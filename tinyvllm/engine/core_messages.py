@@ -50,6 +50,9 @@ class Stats:
     steps: int = 0
     prefix_cache_queries: int = 0     # prompt tokens admitted so far (recomputed ones included)
     prefix_cache_hits: int = 0        # of which found in the prefix cache, not computed
+    spec_decode_num_drafts: int = 0           # speculative decoding (chapter 10): verifications so far
+    spec_decode_num_draft_tokens: int = 0     # tokens proposed
+    spec_decode_num_accepted_tokens: int = 0  # of which kept
 
 
 class Report(NamedTuple):

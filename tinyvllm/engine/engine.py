@@ -8,6 +8,8 @@ tokens side by side, and one row for every running sequence, whatever their leng
 the block tables make that possible); a step of decodes alone replays the CUDA graph of its batch size.
 The runner hands back each sequence's next token (and logprobs), on the host;
 a finished one frees its blocks at once, and the next step admits a waiting request in its place.
+With speculative decoding on (chapter 10, engine/spec_decode.py), a sequence may get several tokens from
+one step: the proposals the model agreed with, and its own next token.
 That is the difference with static batching, where a batch runs until its longest member is done.
 
 One sequence's failure (in sampling, penalties, logprobs or bookkeeping) is that sequence's alone: it
@@ -26,11 +28,13 @@ from tinyvllm.engine.scheduler import Scheduler, Step
 from tinyvllm.engine.sequence import Sequence, Status, check_prompt
 from tinyvllm.engine.step_record import StepRecord
 from tinyvllm.engine.structured.compiler import StructuredOutputCompiler
+from tinyvllm.engine.spec_decode import SpecDecodeStats, make_proposer
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.formats.config import load_config
 from tinyvllm.formats.tokenizer import Tokenizer, load_tokenizer
 from tinyvllm.model.runner import Launched, ModelRunner
+from tinyvllm.model.step_plan import SeqStep
 
 log = logging.getLogger(__name__)
 TRACE_STEPS = 1024   # steps the trace remembers: a ring, so a server running for days keeps bounded memory
@@ -48,11 +52,13 @@ class Engine:
         self.config, self.runner, self.tokenizer = config, runner, tokenizer
         self.stop_ids = set(tokenizer.stop_token_ids) | set(runner.model.cfg.eos_token_ids)
         self.scheduler = Scheduler(runner.pool.num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_prefix_caching, config.long_prefill_token_threshold)
+                                   config.enable_prefix_caching, config.long_prefill_token_threshold,
+                                   make_proposer(config), config.num_speculative_tokens)
         self.structured = StructuredOutputCompiler(tokenizer.token_bytes, runner.model.cfg.vocab_size)
+        self.spec_stats = SpecDecodeStats()   # chapter 10: proposed and accepted tokens, verifications
         self._ids = itertools.count()
         self.steps = 0   # steps run so far
-        # the last TRACE_STEPS steps: who prefilled, who decoded, who was preempted, free blocks (for plots)
+        # the last TRACE_STEPS steps: who prefilled, decoded (with how many proposals), was preempted; free blocks
         self.trace: deque[StepRecord] = deque(maxlen=TRACE_STEPS)
 
     @classmethod
@@ -133,7 +139,7 @@ class Engine:
         """The first half of a step: plan it and launch its forward pass. On a GPU this returns while the
         kernels run, so the caller can do host work (the engine core sends the last step's tokens) meanwhile."""
         step = self.scheduler.schedule()   # blocks taken: the runner reads step.plan
-        if not (step.prefills or step.decodes or step.preempted) and self.has_work():
+        if not (step.sequences or step.preempted) and self.has_work():
             raise TinyVLLMError(f"the scheduler planned a step that runs nothing while {len(self.scheduler.waiting)} "
                                 f"requests wait and {self.scheduler.block_manager.num_free} blocks are free; admit() must "
                                 "admit the first waiting request when nothing is running")  # else: loop forever
@@ -146,27 +152,36 @@ class Engine:
         step = launched.step
         out = self.runner.finish(launched.launched)
         released = []
-        planned = step.plan.prefills + step.plan.decodes
-        for i, (seq, plan) in enumerate(zip(step.prefills + step.decodes, planned)):
+        for i, (seq, plan) in enumerate(zip(step.sequences, step.plan.steps)):
             if plan.sampling is None:       # a chunk in the middle of its prompt: no token yet
                 continue
             if i in out.errors:             # its sampling or its logprobs failed: it alone ends
                 self._fail(seq, out.errors[i])
                 released.append((seq, ""))
             else:
-                released.append((seq, self._isolated(seq, self._record, seq, out.tokens[i], out.logprobs[i]) or ""))
+                text = self._isolated(seq, self._record, seq, plan, out.tokens[i], out.logprobs[i])
+                released.append((seq, text or ""))
         self.trace.append(StepRecord(self.steps, [s.seq_id for s in step.prefills], step.chunks,
-                                     [s.seq_id for s in step.decodes], [s.seq_id for s in step.preempted],
-                                     self.scheduler.block_manager.num_free))
+                                     [s.seq_id for s in step.verifies + step.decodes],
+                                     [s.seq_id for s in step.preempted], self.scheduler.block_manager.num_free,
+                                     [len(p) for p in step.proposals] + [0] * len(step.decodes)))
         self.steps += 1
         return released
 
-    def _record(self, seq: Sequence, token: int, top: tuple | None) -> str:
-        """Append the token (and its logprobs); cache newly full blocks; free a finished sequence's blocks."""
-        entries = None if top is None else logprob_entries(token, *top, seq.params.logprobs, self._token_text)
-        text = seq.append(token, entries)
-        if seq.status is Status.FINISHED:
-            self.scheduler.finish(seq)   # its slot and blocks go back now: the next step can use them
+    def _record(self, seq: Sequence, plan: SeqStep, tokens: list[int], tops: list[tuple] | None) -> str:
+        """Append the tokens (and their logprobs) in order, none past the one that finishes the sequence; free a
+        finished sequence's blocks. After a verification (chapter 10): count it, and drop the rejected proposals."""
+        text = ""
+        for j, token in enumerate(tokens):
+            entries = None if tops is None else logprob_entries(token, *tops[j], seq.params.logprobs, self._token_text)
+            text += seq.append(token, entries)
+            if seq.status is Status.FINISHED:
+                self.scheduler.finish(seq)   # its slot and blocks go back now: the next step can use them
+                break
+        if plan.proposed:
+            self.spec_stats.add(plan.proposed, len(tokens))
+            if seq.status is Status.RUNNING:
+                self.scheduler.verified(seq, len(tokens) - 1)   # the kept proposals; the bonus token is the newest
         return text
 
     def _token_text(self, token: int) -> str:

@@ -23,6 +23,7 @@ CPU_STEP_FLOPS = 1.5e10
 # waits about one such step, not the long prompt's whole prefill. The CPU's budget is already small: half
 # of it; a GPU's is sized for throughput: 1,024 of its 8,192 keep a step of a 1B model in milliseconds.
 LONG_PREFILL_SHARE = {"cpu": 2, "cuda": 8}
+SPECULATIVE_METHODS = ("ngram",)   # chapter 10's proposers (engine/spec_decode.py); None: no speculation
 
 
 def layer_flops_per_token(cfg: LlamaConfig) -> int:
@@ -69,15 +70,29 @@ class EngineConfig:
         None, "the most tokens of one prompt a step computes, so that short prompts start beside a long one "
               f"(default: a share of the budget, 1/{LONG_PREFILL_SHARE['cpu']} on the CPU, "
               f"1/{LONG_PREFILL_SHARE['cuda']} on a GPU)")
+    speculative_method: str | None = setting(
+        None, "speculative decoding: 'ngram' proposes the tokens that followed the last few tokens earlier in the "
+              "prompt and output (prompt lookup); every step verifies them (default: off)", SPECULATIVE_METHODS)
+    num_speculative_tokens: int = setting(4, "tokens proposed per sequence and step, with speculative_method")
+    prompt_lookup_max: int = setting(4, "ngram: the longest suffix looked up in the prompt and output")
+    prompt_lookup_min: int = setting(2, "ngram: the shortest suffix looked up (shorter ones match more, but "
+                                        "their guesses are kept less often)")
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "long_prefill_token_threshold"):
+                     "long_prefill_token_threshold", "num_speculative_tokens", "prompt_lookup_max",
+                     "prompt_lookup_min"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TinyVLLMError(f"{name} must be a positive whole number, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise TinyVLLMError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise TinyVLLMError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or None for "
+                                f"no speculation), got {self.speculative_method!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise TinyVLLMError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                                f"({self.prompt_lookup_max})")
 
     @classmethod
     def names(cls) -> list[str]:

@@ -206,10 +206,10 @@ class EngineCore:
                       finish_reason, seq.error)
 
     def stats(self) -> Stats:
-        scheduler = self.engine.scheduler
-        blocks, cache = scheduler.block_manager, scheduler.cache_stats
+        scheduler, cache, spec = self.engine.scheduler, self.engine.scheduler.cache_stats, self.engine.spec_stats
+        blocks = scheduler.block_manager
         return Stats(len(scheduler.running), len(scheduler.waiting), blocks.num_free, blocks.num_blocks,
-                     self.steps, cache.queries, cache.hits)
+                     self.steps, cache.queries, cache.hits, spec.verifications, spec.proposed, spec.accepted)
 
 
 FAILED_LINGER_MS = 30_000   # how long a failed engine waits for its API servers to take the reason why

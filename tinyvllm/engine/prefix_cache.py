@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from tinyvllm.engine.block_manager import BlockManager, PrefixHit
+from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model.step_plan import BLOCK_SIZE
 
 
@@ -100,15 +101,24 @@ class PrefixCachingBlockManager(BlockManager):
         self.named[seq.seq_id] = full
 
     def free(self, seq: int) -> None:
-        for block in self.tables.pop(seq):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:            # a cached block waits; an anonymous one is free
-                if block in self.hash_of:
-                    self.evictable[block] = None
-                else:
-                    self.free_blocks.append(block)
-        del self.lengths[seq]
+        super().free(seq)
         self.named.pop(seq, None)
+
+    def truncate(self, seq: int, num_tokens: int) -> None:
+        """As BlockManager's; a block named in the cache is full of kept tokens, so it is never cut (chapter 10:
+        proposals are verified before their blocks are named, and the rejected ones never are)."""
+        if num_tokens // BLOCK_SIZE < self.named.get(seq, 0):
+            raise TinyVLLMError(f"sequence {seq}: its first {self.named[seq]} blocks are in the prefix cache; "
+                                f"cannot keep only {num_tokens} tokens")
+        super().truncate(seq, num_tokens)
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:                # a cached block waits; an anonymous one is free
+            if block in self.hash_of:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
 
     def _take(self) -> int:
         if not self.free_blocks:                       # evict the least recently used cached block

@@ -13,6 +13,9 @@ the model's step buffers), spent in this order (vLLM v1's rule):
      (max_num_seqs), budget left and blocks: each with as much of its prompt as the budget left allows,
      again at most long_prefill_token_threshold tokens (its cached prefix costs nothing). The first that
      does not fit stops admission.
+With speculative decoding on (chapter 10), step 1 is followed by 1b: a decoding sequence for which the
+proposer has guesses verifies up to num_speculative_tokens of them in the same step, from the budget and
+the blocks left (a guess never preempts anyone); after the step, the blocks of rejected guesses go back.
 So a prompt can be as long as the context window, and a long prompt stalls nobody: the running
 sequences keep decoding while it goes through, chunk by chunk, and since one prompt takes at most
 long_prefill_token_threshold tokens of a step, the rest of the budget admits the short prompts that
@@ -28,9 +31,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tinyvllm.engine import block_manager
-from tinyvllm.engine.block_manager import plan_decode, plan_prefill
+from tinyvllm.engine.block_manager import plan_decode, plan_prefill, plan_verify
 from tinyvllm.engine.prefix_cache import PrefixCacheStats, PrefixCachingBlockManager
 from tinyvllm.engine.sequence import Sequence, Status
+from tinyvllm.engine.spec_decode import Proposer
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model.step_plan import BLOCK_SIZE, StepPlan
 
@@ -40,13 +44,21 @@ class Step:
     prefills: list[Sequence] = field(default_factory=list)   # prompts (or chunks of them) through prefill
     chunks: list[int] = field(default_factory=list)          # how many tokens each of prefills computes
     decodes: list[Sequence] = field(default_factory=list)    # running: one token each
+    verifies: list[Sequence] = field(default_factory=list)   # running, with proposals: their newest token and those
+    proposals: list[list[int]] = field(default_factory=list) # the tokens each of verifies checks (chapter 10)
     preempted: list[Sequence] = field(default_factory=list)
-    plan: StepPlan = field(default_factory=StepPlan)         # what the model computes: prefills, then decodes
+    plan: StepPlan = field(default_factory=StepPlan)         # what the model computes: prefills, verifies, decodes
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """Every sequence that runs, in the order of the plan's SeqSteps (plan.steps)."""
+        return self.prefills + self.verifies + self.decodes
 
 
 class Scheduler:
     def __init__(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool = False, long_prefill_token_threshold: int | None = None):
+                 prefix_caching: bool = False, long_prefill_token_threshold: int | None = None,
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0):
         if prefix_caching:  # full blocks named by hash, shared between prompts
             self.block_manager = PrefixCachingBlockManager(num_blocks)
         else:
@@ -56,6 +68,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         # the most tokens one prompt computes in a step (None: the whole budget, one prompt may fill a step)
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
+        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens   # chapter 10 (None: off)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order: the last one is the youngest
 
@@ -91,12 +104,14 @@ class Scheduler:
                 free -= need
                 step.decodes.append(seq)
         budget = self.max_num_batched_tokens - len(step.decodes)
+        if self.proposer is not None:                  # chapter 10: guesses from what is left
+            free, budget = self.speculate(step, free, budget)
         for seq in list(self.running):                 # prompts started in an earlier step: the next chunk
             if seq.decoding or seq in step.decodes or seq.status is not Status.RUNNING:
                 continue
             count = min(len(seq) - seq.num_computed, budget, self.long_prefill_token_threshold)
             need = self.block_manager.blocks_to_extend(seq.seq_id, count) if count else 0
-            if need > free and not (step.decodes or step.prefills):
+            if need > free and not (step.decodes or step.verifies or step.prefills):
                 free += self._make_room(seq, need - free, step)   # else every started prompt waits forever
             if not count or need > free or seq.status is not Status.RUNNING:
                 return step                            # no room for the oldest started prompt: nobody starts
@@ -107,19 +122,46 @@ class Scheduler:
             admit(self, step, free, budget)
         return step
 
+    def speculate(self, step: Step, free: int, budget: int) -> tuple[int, int]:
+        """Chapter 10: move each decoding sequence the proposer has guesses for from step.decodes to step.verifies,
+        with as many guesses as the budget, the free blocks and its max_tokens leave room for (it emits at most
+        k + 1 tokens). Oldest first; returns what is left of free and budget."""
+        for seq in list(step.decodes):
+            room = min(self.num_speculative_tokens, budget, seq.max_tokens - len(seq.output_ids) - 1)
+            proposals = self.proposer.propose(seq, room)[:room] if room > 0 else []
+            extra = self._extra_blocks(seq, proposals)
+            while proposals and extra > free:          # fewer guesses rather than a preemption
+                proposals.pop()
+                extra = self._extra_blocks(seq, proposals)
+            if proposals:
+                step.decodes.remove(seq)
+                step.verifies.append(seq)
+                step.proposals.append(proposals)
+                free, budget = free - extra, budget - len(proposals)
+        return free, budget
+
+    def _extra_blocks(self, seq: Sequence, proposals: list[int]) -> int:
+        """Blocks that verifying `proposals` takes beyond the one decode token already counted."""
+        return (self.block_manager.blocks_to_extend(seq.seq_id, 1 + len(proposals))
+                - self.block_manager.blocks_to_append(seq.seq_id))
+
     def allocate(self, step: Step) -> None:
         """Take the blocks decide() promised and write the plan: the model gets slots and tables, never
         the block manager. Prefills first (each its chunk, after its cached prefix or earlier chunks), then
-        one slot per decode; each sequence whose tokens are all computed after the step samples one."""
+        the verifications (the newest token and its proposals), then one slot per decode; each sequence
+        whose tokens are all computed after the step samples."""
         prefills = [plan_prefill(self.block_manager, s.seq_id, s.token_ids, s.num_computed, count)
                     for s, count in zip(step.prefills, step.chunks)]
+        verifies = [plan_verify(self.block_manager, s.seq_id, s.last_token, p)
+                    for s, p in zip(step.verifies, step.proposals)]
         decodes = plan_decode(self.block_manager, [s.seq_id for s in step.decodes],
                               [s.last_token for s in step.decodes])
-        for seq, count in zip(step.prefills + step.decodes, step.chunks + [1] * len(step.decodes)):
-            seq.num_computed += count                  # their K/V are in the pool once the step has run
-        for seq, planned in zip(step.prefills + step.decodes, prefills + decodes):
+        for seq, count in zip(step.sequences, step.chunks + [1] * (len(step.verifies) + len(step.decodes))):
+            seq.num_computed += count                  # their K/V are in the pool once the step has run (kept
+                                                       # proposals count after it: Scheduler.verified)
+        for seq, planned in zip(step.sequences, prefills + verifies + decodes):
             planned.sampling = seq.sampling if seq.num_computed == len(seq) else None   # a prompt's last chunk, a decode
-        step.plan = StepPlan(prefills, decodes)
+        step.plan = StepPlan(prefills, verifies, decodes)
 
     def _make_room(self, seq: Sequence, blocks: int, step: Step) -> int:
         """Nothing else runs this step and the started prompt `seq` lacks `blocks` blocks: the pool is held by
@@ -154,6 +196,16 @@ class Scheduler:
             return
         filled = [s for s in step.decodes if self.block_manager.lengths[s.seq_id] % BLOCK_SIZE == 0]
         for seq in step.prefills + filled:
+            self.block_manager.cache_full_blocks(seq)
+
+    def verified(self, seq: Sequence, kept: int) -> None:
+        """Chapter 10: after a verification, `kept` of its proposals are the sequence's tokens now (appended), the
+        rest are not: the pool holds their K/V until truncate gives back the blocks only they used. Then,
+        with prefix caching, its blocks that filled with kept tokens become findable (never one with a
+        rejected token: those are past the sequence's length, and a block is named only once full)."""
+        seq.num_computed += kept
+        self.block_manager.truncate(seq.seq_id, seq.num_computed)
+        if self.prefix_caching:
             self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:

@@ -16,4 +16,5 @@ class StepRecord(NamedTuple):
     decode: list            # sequences that decoded one token
     preempted: list         # sequences preempted to make room
     free_blocks: int        # blocks free after the step
+    proposed: list[int] = []  # per decoding sequence, the tokens it verified (chapter 10; 0: a plain decode)
     time: float | None = None

@@ -31,7 +31,7 @@ def _port(text: str) -> int:
     return int(text)
 
 
-FLAG_TYPES = {"int | None": _positive_int, "int": _positive_int, "float": float, "str": str}
+FLAG_TYPES = {"int | None": _positive_int, "int": _positive_int, "float": float, "str": str, "str | None": str}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -60,7 +60,8 @@ class LLM:
     def __init__(self, model: str = "default", **settings):
         """model: 'default', a synthetic preset or a HF model directory; settings: any EngineConfig field
         (device, max_model_len, num_blocks, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
-        enable_prefix_caching, enforce_eager, batch_invariant, long_prefill_token_threshold), as in vLLM."""
+        enable_prefix_caching, enforce_eager, batch_invariant, long_prefill_token_threshold, speculative_method,
+        num_speculative_tokens, prompt_lookup_max, prompt_lookup_min), as in vLLM."""
         unknown = sorted(set(settings) - set(EngineConfig.names()))
         if unknown:
             raise TinyVLLMError(f"LLM() got unknown settings {unknown}; the settings are {EngineConfig.names()[1:]}")

@@ -7,7 +7,8 @@ dashboard or an alert written for vLLM reads tinyvllm unchanged:
   - latency as a user feels it: time to the first token (queueing + prefill), then the time between
     tokens (decode steps), and the whole request;
   - work done: prompt and generated token counters (their rate is throughput);
-  - the prefix cache: prompt tokens looked up and found (their ratio is the hit rate).
+  - the prefix cache: prompt tokens looked up and found (their ratio is the hit rate);
+  - speculative decoding (chapter 10): verifications, tokens proposed and accepted (acceptance rate).
 
 With several API-server processes (`serve --api-server-count N`), each counts its own requests into files
 of a shared folder (prometheus-client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR) and /metrics, whichever
@@ -54,6 +55,10 @@ class Metrics:
         self.cache_queries = counter("prefix_cache_queries", "Prompt tokens admitted, looked up in the prefix cache.")
         self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.spec_counters = (   # speculative decoding: acceptance rate = accepted / draft tokens
+            counter("spec_decode_num_drafts", "Proposals verified (one per sequence and step)."),
+            counter("spec_decode_num_draft_tokens", "Tokens proposed."),
+            counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted."))
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
@@ -61,6 +66,7 @@ class Metrics:
                                 ["model_name", "finished_reason"], registry=registry)
         self.model_name = model_name
         self._seen = (0, 0)        # the engine's cumulative prefix-cache counts at the last report
+        self._spec_seen = (0, 0, 0)  # and its speculative-decoding counts
 
     def engine_stats(self, stats) -> None:
         """The engine's counts after a step (a core_messages.Stats): gauges set, counters moved on."""
@@ -72,6 +78,10 @@ class Metrics:
         self.cache_queries.inc(stats.prefix_cache_queries - self._seen[0])
         self.cache_hits.inc(stats.prefix_cache_hits - self._seen[1])
         self._seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        spec = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens)
+        for counter, now, before in zip(self.spec_counters, spec, self._spec_seen):
+            counter.inc(now - before)
+        self._spec_seen = spec
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

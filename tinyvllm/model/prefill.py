@@ -37,7 +37,9 @@ def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = F
                   decodes: list[SeqStep] = ()):
     """Several prompts in one pass (chapter 7): their tokens side by side as the rows of every GEMM, as
     the plan says (steps[j]: sequence j's tokens, first position, slots and block table). Returns the
-    logits of each prompt's last token, (n, vocab) fp32 — of every token with all_logits.
+    logits of each prompt's last token, (n, vocab) fp32 — of every token with all_logits. A step that
+    verifies proposals (chapter 10: its newest token and the guesses after it, a chunk like any other)
+    gets the logits of its last proposed + 1 tokens, in order: the target's view of every guess.
 
     decodes: the step's decoding sequences ride along as one more row each, after the prompts' rows,
     attending through the pool as decode_batch's rows do; their logits follow the prompts'. One pass
@@ -70,4 +72,5 @@ def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = F
     residual, delta = run_layers(model, ids, positions, slots, pool, attend, on_layer)
     if all_logits:
         return final_logits(model, residual, delta, slice(0, T))
-    return final_logits(model, residual, delta, [*(ends - 1), *range(P, T)])
+    sampled = [row for s, end in zip(steps, ends) for row in range(end - 1 - s.proposed, end)]
+    return final_logits(model, residual, delta, [*sampled, *range(P, T)])

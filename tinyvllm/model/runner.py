@@ -5,6 +5,8 @@ runner computes. It owns the model's weights, the physical KV pool and the CUDA 
 ONE forward pass of its own choosing:
 
     prompts (or chunks) in the step   -> prefill_batch, the step's decodes riding along as extra rows
+    proposals to verify (chapter 10)  -> prefill_batch too: a sequence's newest token and its k proposals
+                                         are a chunk after its cached tokens, with logits at all k + 1
     decodes alone, on a GPU           -> the CUDA graph of their batch size (chapter 7)
     decodes alone, on a CPU (or eager)-> decode_batch
 
@@ -30,7 +32,7 @@ from tinyvllm.model.step_plan import StepOutput, StepPlan
 
 class Launched(NamedTuple):
     """A step whose forward pass is queued: its plan, and the logits of its rows the device may still compute
-    (one row per SeqStep: every prefill's last token, then every decode)."""
+    (every prefill's last token, every verification's last proposed + 1 tokens, then every decode)."""
     plan: StepPlan
     logits: object
 
@@ -60,13 +62,13 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run the plan: every sequence's new tokens through the model, its K/V into the pool, and a token
-        sampled for each SeqStep whose sampling is set."""
+        sampled for each SeqStep whose sampling is set (the kept proposals and a bonus token, for a verification)."""
         return self.finish(self.launch(plan))
 
     def launch(self, plan: StepPlan) -> Launched:
         """The first half: queue the forward pass (on a GPU this returns before the kernels finish)."""
-        if plan.prefills:   # one pass for the whole step: the decodes ride along (no CUDA graph then)
-            logits = prefill_batch(self.model, self.pool, plan.prefills, decodes=plan.decodes)
+        if plan.prefills or plan.verifies:   # one pass for the whole step: the decodes ride along (no CUDA graph then)
+            logits = prefill_batch(self.model, self.pool, plan.prefills + plan.verifies, decodes=plan.decodes)
         elif plan.decodes:  # decodes alone: the CUDA graph of their batch size, on a GPU
             logits = self.decode(plan.decodes)
         else:
@@ -76,10 +78,10 @@ class ModelRunner:
     def finish(self, launched: Launched) -> StepOutput:
         """The second half: sample where the plan says, and bring the ids (and logprobs) to the host."""
         plan, logits = launched
-        samplings = [s.sampling for s in plan.prefills + plan.decodes]
+        samplings = [s.sampling for s in plan.steps]
         if logits is None or not any(samplings):
-            return StepOutput([None] * len(samplings), [None] * len(samplings))
-        return sample_step(logits, samplings, batched=not self.model.batch_invariant)
+            return StepOutput([[] for _ in samplings], [None] * len(samplings))
+        return sample_step(logits, samplings, [s.proposals for s in plan.steps], batched=not self.model.batch_invariant)
 
     def close(self) -> None:
         """Drop the model, the pool and the graphs, and hand the memory back (on a GPU, CuPy keeps freed

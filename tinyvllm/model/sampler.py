@@ -15,9 +15,13 @@ distribution (vLLM's behaviour).
 
 sample_step does it for a whole step (the model runner calls it): the plain greedy rows with one argmax,
 the others in a few batched passes (sample_rows: 256 rows row by row would be thousands of small launches
-a step), the logprobs of the rows that ask with one log-softmax; a row that fails is that row's alone.
+a step), a sequence verifying proposals (chapter 10) position by position (verify), the logprobs of the
+rows that ask with one log-softmax; a sequence whose sampling fails is that sequence's alone.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import accumulate
 
 import numpy as np
 
@@ -116,58 +120,74 @@ def array_module(a):
 
 # ---- a whole step: what the model runner calls ----
 
-def sample_step(logits, samplings: list[Sampling | None], batched: bool = True) -> StepOutput:
-    """Row i of logits (rows, vocab), on the device, drawn as samplings[i] says (None: no token). Only ids
-    and the asked logprobs reach the host. The plain greedy rows take ONE argmax; the others are drawn in
-    groups of one kind (greedy with penalties, sampled, sampled and cut), each group at once — or row by
-    row when not batched (the batch-invariant mode: a GPU reduction's order may depend on the rows beside).
-    A row whose sampling or logprobs fail gets None and its error."""
-    tokens: list[int | None] = [None] * len(samplings)
+def sample_step(logits, samplings: list[Sampling | None], proposals: list[list[int]] | None = None,
+                batched: bool = True) -> StepOutput:
+    """Entry i of the step owns len(proposals[i]) + 1 consecutive rows of logits (rows, vocab), on the device: one
+    row, or one per proposed token and one more when it verifies proposals (chapter 10). It emits what verify()
+    keeps of its proposals (just the drawn token without any), drawn as samplings[i] says (None: no token). The
+    plain greedy rows take ONE argmax; the other one-row entries are drawn in groups of one kind (greedy with
+    penalties, sampled, sampled and cut), each group at once — or one by one when not batched (the
+    batch-invariant mode: a GPU reduction's order may depend on the rows beside). Only ids and the asked
+    logprobs reach the host. An entry whose sampling or logprobs fail gets no ids and its error."""
+    proposals = proposals or [[] for _ in samplings]
+    firsts = [0, *accumulate(len(p) + 1 for p in proposals)][:-1]   # each entry's first row
+    tokens: list[list[int]] = [[] for _ in samplings]
     errors: dict[int, Exception] = {}
-    logits = apply_masks(logits, samplings)
+    logits = apply_masks(logits, samplings, firsts)
     plain = [i for i, s in enumerate(samplings) if s is not None and is_plain_greedy(s.params)]
     if plain:   # the greedy rows without penalties, all with ONE argmax (no gather when every row is one)
-        rows = logits if len(plain) == len(samplings) else logits[plain]
-        for i, token in zip(plain, to_host(rows.argmax(axis=1)).tolist()):
-            tokens[i] = token
+        rows = [firsts[i] + j for i in plain for j in range(len(proposals[i]) + 1)]
+        best = to_host((logits if len(rows) == len(logits) else logits[rows]).argmax(axis=1)).tolist()
+        at = dict(zip(rows, best))
+        for i in plain:
+            tokens[i] = verify(lambda j, accepted: at[firsts[i] + j], proposals[i])
     groups: dict[str, list[int]] = {}
     for i, s in enumerate(samplings):
-        if s is not None and tokens[i] is None:
+        if s is None or i in plain:
+            continue
+        if proposals[i]:   # verifying: position by position, each draw after the tokens accepted before it
+            try:
+                tokens[i] = verify(lambda j, accepted: draw_at(logits[firsts[i] + j], s, accepted), proposals[i])
+            except Exception as e:   # this entry's alone: the others go on
+                errors[i] = e
+        else:
             groups.setdefault(kind(s.params) if batched else str(i), []).append(i)
-    for rows in groups.values():
-        draw_group(logits, samplings, rows, tokens, errors)
-    return StepOutput(tokens, step_logprobs(logits, samplings, tokens, errors), errors)
+    for entries in groups.values():
+        draw_group(logits, samplings, entries, [firsts[i] for i in entries], tokens, errors)
+    return StepOutput(tokens, step_logprobs(logits, samplings, tokens, firsts, errors), errors)
 
 
 def kind(params) -> str:
-    """Rows of one kind are drawn together: greedy (with penalties), sampled, or sampled and cut."""
+    """One-row entries of one kind are drawn together: greedy (with penalties), sampled, or sampled and cut."""
     return "greedy" if params.temperature == 0 else "cut" if cuts(params) else "sampled"
 
 
-def draw_group(logits, samplings: list[Sampling | None], rows: list[int], tokens: list, errors: dict) -> None:
-    """Tokens for rows of one kind, at once. If that fails, each row alone from its random state before, so a
-    failure is its row's alone and the other rows draw what they would have drawn."""
-    states = [samplings[i].rng.bit_generator.state for i in rows]
+def draw_group(logits, samplings: list[Sampling | None], entries: list[int], rows: list[int], tokens: list,
+               errors: dict) -> None:
+    """One token for each entry of one kind (entry i's logits in row rows[...]), all at once. If that fails, each
+    alone from its random state before, so a failure is its entry's alone and the others draw what they would
+    have drawn."""
+    states = [samplings[i].rng.bit_generator.state for i in entries]
     try:
-        drawn = draw(logits, [samplings[i] for i in rows], rows)
+        drawn = draw_rows(logits, [samplings[i] for i in entries], rows)
     except Exception as e:
-        if len(rows) == 1:
-            errors[rows[0]] = e
+        if len(entries) == 1:
+            errors[entries[0]] = e
             return
-        for i, state in zip(rows, states):
+        for i, row, state in zip(entries, rows, states):
             samplings[i].rng.bit_generator.state = state
-            draw_group(logits, samplings, [i], tokens, errors)
+            draw_group(logits, samplings, [i], [row], tokens, errors)
         return
-    for i, token in zip(rows, drawn):
-        tokens[i] = token
+    for i, token in zip(entries, drawn):
+        tokens[i] = [token]
 
 
-def draw(logits, samplings: list[Sampling], rows: list[int]) -> list[int]:
+def draw_rows(logits, samplings: list[Sampling], rows: list[int]) -> list[int]:
     """The penalized rows (each its own copy), then one argmax or one sample_rows for all of them."""
     xp = array_module(logits)
     if any(s.params.has_penalties for s in samplings):
-        batch = xp.stack([apply_penalties(logits[i], s.params, s.prompt_ids, s.output_ids)
-                          if s.params.has_penalties else logits[i] for i, s in zip(rows, samplings)])
+        batch = xp.stack([apply_penalties(logits[r], s.params, s.prompt_ids, s.output_ids)
+                          if s.params.has_penalties else logits[r] for r, s in zip(rows, samplings)])
     else:
         batch = logits[rows]
     if samplings[0].params.temperature == 0:
@@ -175,35 +195,61 @@ def draw(logits, samplings: list[Sampling], rows: list[int]) -> list[int]:
     return sample_rows(batch, [s.params for s in samplings], [s.rng for s in samplings])
 
 
-def apply_masks(logits, samplings: list[Sampling | None]):
-    """The logits with -inf where a row's mask forbids a token (a copy; the same logits when no row has a mask).
-    Only the masked rows' (vocab,) bool masks cross to the device."""
-    rows = [i for i, s in enumerate(samplings) if s is not None and s.allowed is not None]
-    if not rows:
+def verify(target: Callable[[int, list[int]], int], proposals: list[int]) -> list[int]:
+    """Chapter 10's acceptance rule, for proposals from a deterministic proposer (n-gram lookup, a greedy draft).
+    target(j, accepted) is the target model's token at position j, drawn as plain decoding would draw it after
+    the tokens accepted so far. A proposal is kept while it equals the target's token; the first that differs is
+    replaced by the target's (the bonus token), and after k kept ones the target's next token is the bonus.
+    One draw per emitted token, in order: the same seed emits the same tokens with or without speculation.
+    It is Leviathan et al.'s rejection sampling when the proposal distribution is one-hot on x: accept x with
+    probability p(x), else draw from p without x, renormalized — exactly a draw from p that did not give x."""
+    emitted = [target(0, [])]
+    while len(emitted) <= len(proposals) and emitted[-1] == proposals[len(emitted) - 1]:
+        emitted.append(target(len(emitted), emitted))
+    return emitted
+
+
+def draw_at(row, s: Sampling, accepted: list[int]) -> int:
+    """One token from one row of logits, as s says; the penalties count the tokens accepted before this position."""
+    if s.params.has_penalties:
+        row = apply_penalties(row, s.params, s.prompt_ids, s.output_ids + accepted)
+    return sample(row, s.params, s.rng)
+
+
+def apply_masks(logits, samplings: list[Sampling | None], firsts: list[int]):
+    """The logits with -inf where an entry's mask forbids a token (a copy; the same logits when no entry has a
+    mask). Only the masked rows' (vocab,) bool masks cross to the device. A structured output never verifies
+    proposals (the scheduler does not speculate for it): its one row is its first."""
+    entries = [i for i, s in enumerate(samplings) if s is not None and s.allowed is not None]
+    if not entries:
         return logits
-    xp = array_module(logits)
+    xp, rows = array_module(logits), [firsts[i] for i in entries]
     masked = logits.copy()
-    masked[rows] = xp.where(xp.asarray(np.stack([samplings[i].allowed for i in rows])), logits[rows], -xp.inf)
+    masked[rows] = xp.where(xp.asarray(np.stack([samplings[i].allowed for i in entries])), logits[rows], -xp.inf)
     return masked
 
 
-def step_logprobs(logits, samplings: list[Sampling | None], tokens: list[int | None],
-                  errors: dict[int, Exception]) -> list[tuple | None]:
-    """For the rows that asked, from ONE log-softmax over those rows of the raw logits: (the sampled token's
-    logprob, its rank, the top ids, their logprobs), on the host. A failure fails every row in the batch."""
-    out: list[tuple | None] = [None] * len(samplings)
+def step_logprobs(logits, samplings: list[Sampling | None], tokens: list[list[int]], firsts: list[int],
+                  errors: dict[int, Exception]) -> list[list[tuple] | None]:
+    """For the entries that asked, from ONE log-softmax over the rows of their emitted ids in the raw logits: per
+    id (its logprob, its rank, the top ids, their logprobs), on the host. A failure fails every entry in the batch."""
+    out: list[list[tuple] | None] = [None] * len(samplings)
     asked = [i for i, s in enumerate(samplings) if s is not None and s.params.logprobs is not None
              and i not in errors]
     if not asked:
         return out
+    rows = [firsts[i] + j for i in asked for j in range(len(tokens[i]))]
     try:
         k = max(samplings[i].params.logprobs for i in asked)
-        top, values, chosen, ranks = (to_host(a) for a in raw_logprobs(logits[asked], [tokens[i] for i in asked], k))
-    except Exception as e:   # a batch operation: every row in it fails, the other rows go on
+        emitted = [t for i in asked for t in tokens[i]]
+        top, values, chosen, ranks = (to_host(a) for a in raw_logprobs(logits[rows], emitted, k))
+    except Exception as e:   # a batch operation: every entry in it fails, the other entries go on
         errors.update({i: e for i in asked})
         return out
-    for r, i in enumerate(asked):
-        out[i] = (chosen[r], ranks[r], top[r], values[r])
+    r = 0
+    for i in asked:
+        out[i] = [(chosen[r + j], ranks[r + j], top[r + j], values[r + j]) for j in range(len(tokens[i]))]
+        r += len(tokens[i])
     return out
 
 

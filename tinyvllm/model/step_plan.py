@@ -9,6 +9,8 @@ What is left for the model is arithmetic on this plan, one SeqStep per sequence 
     block_table  the sequence's physical blocks, covering positions 0 .. start + len(token_ids) - 1
 
     sampling     how its next token is drawn, when this step ends its prompt or decodes (else None)
+    proposed     chapter 10: how many of the last token_ids are proposals to verify (speculative decoding);
+                 the step then samples at each of the last proposed + 1 positions, not only the last
 
 The model never calls the block manager, so what it computes cannot disagree with what was allocated:
 vLLM v1's SchedulerOutput and nano-vllm's prepare_prefill/prepare_decode draw the same line. The model
@@ -47,6 +49,11 @@ class SeqStep:
     slots: list[int]
     block_table: list[int] = field(default_factory=list)  # empty for chapter 5's contiguous cache
     sampling: Sampling | None = None   # None: nothing to sample (a chunk that does not end its prompt)
+    proposed: int = 0                  # the last `proposed` token_ids are guesses the step verifies
+
+    @property
+    def proposals(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.proposed:]
 
     @property
     def end(self) -> int:
@@ -57,7 +64,13 @@ class SeqStep:
 @dataclass
 class StepPlan:
     prefills: list[SeqStep] = field(default_factory=list)  # prompts (or their uncached tails): one batched prefill
+    verifies: list[SeqStep] = field(default_factory=list)  # decodes with proposals: chunks that ride in the prefill
     decodes: list[SeqStep] = field(default_factory=list)   # one token each: one batched decode
+
+    @property
+    def steps(self) -> list[SeqStep]:
+        """Every SeqStep of the plan, in the order of the logits' rows and of the StepOutput's entries."""
+        return self.prefills + self.verifies + self.decodes
 
 
 def step_inputs(steps: list[SeqStep]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -71,7 +84,8 @@ def step_inputs(steps: list[SeqStep]) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 @dataclass
 class StepOutput:
-    """What a step gives back, on the host, one entry per SeqStep of the plan (prefills, then decodes)."""
-    tokens: list[int | None]                  # the sampled id; None where nothing was sampled, or it failed
-    logprobs: list[tuple | None]              # where asked: (the token's logprob, its rank, top ids, top logprobs)
+    """What a step gives back, on the host, one entry per SeqStep of the plan (plan.steps' order)."""
+    tokens: list[list[int]]                   # the ids it emits: one, several after a verification (chapter 10),
+                                              # none where nothing was sampled or it failed (vLLM's sampled_token_ids)
+    logprobs: list[list[tuple] | None]        # where asked, per emitted id: (logprob, rank, top ids, top logprobs)
     errors: dict[int, Exception] = field(default_factory=dict)   # entry -> why its sampling failed (its alone)

@@ -1,0 +1,128 @@
+"""What speculative decoding (prompt lookup) buys on the CPU, and where it does not.
+
+    python bench/spec_decode.py [--model default] [--tokens 96] [--runs 3] [--k 4]
+
+Two workloads, each a few chat requests run one at a time (batch 1: the latency a user sees), greedy:
+  grounded   the answer repeats its input: repeat a paragraph, fix a typo in code, rename a variable
+             (prompt lookup finds the next tokens in the prompt);
+  free-form  the answer is new text (stories, explanations): few n-gram matches.
+Each workload runs with speculation off and on (speculative_method="ngram", k proposals per step), --runs
+times, alternating, so a neighbour that loads the CPU for a while slows both. Reported per workload and
+mode: output tokens per second (median and spread), and with speculation the acceptance rate and the mean
+tokens a verification emits; also whether the tokens were the same with and without speculation (they
+must be). Writes bench/results/spec-decode-cpu-<date>-<time>.json; asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from bench.gpu_common import thread_settings, write_result  # noqa: E402
+from tinyvllm import LLM, SamplingParams  # noqa: E402
+
+PARAGRAPH = ("The paged KV cache splits the memory of every sequence into blocks of sixteen tokens. A block "
+             "table maps the logical blocks of a sequence to physical blocks in one shared pool, so memory is "
+             "taken only when a sequence needs it, and a finished sequence gives its blocks back at once.")
+CODE = '''def moving_average(values, window):
+    total = 0.0
+    result = []
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+'''
+WORKLOADS = {
+    "grounded": [f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
+                 f"Rename the variable `total` to `running_sum` in this Python function and show the whole "
+                 f"function:\n\n{CODE}",
+                 f"Fix the spelling mistakes in this text and return the corrected text:\n\n"
+                 f"{PARAGRAPH.replace('sequence', 'sequnce').replace('blocks', 'blokcs')}"],
+    "free-form": ["Write a short story about a robot who learns to paint.",
+                  "Explain why the sky is blue to a ten-year-old.",
+                  "Give three ideas for a weekend trip in the mountains."],
+}
+
+
+def run_once(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int, list[list[int]]]:
+    """Each prompt alone (batch 1), in turn: (seconds, output tokens, the output ids)."""
+    outputs, start = [], time.perf_counter()
+    for prompt in prompts:
+        [out] = llm.chat([{"role": "user", "content": prompt}], params)
+        outputs.append(out.outputs[0].token_ids)
+    return time.perf_counter() - start, sum(map(len, outputs)), outputs
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def bench(model: str, tokens: int, runs: int, k: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=tokens)
+    llms = {"off": LLM(model, device="cpu"),
+            "ngram": LLM(model, device="cpu", speculative_method="ngram", num_speculative_tokens=k)}
+    for llm in llms.values():
+        run_once(llm, ["Hello"], SamplingParams(temperature=0, max_tokens=4))   # warm up
+    results = {}
+    for name, prompts in WORKLOADS.items():
+        rates, outputs = {mode: [] for mode in llms}, {}
+        stats_before = vars(llms["ngram"].engine.spec_stats).copy()
+        for _ in range(runs):
+            for mode, llm in llms.items():    # alternating: a noisy neighbour slows both modes alike
+                seconds, count, outputs[mode] = run_once(llm, prompts, params)
+                rates[mode].append(count / seconds)
+        spec = llms["ngram"].engine.spec_stats
+        proposed, accepted, verifications = (getattr(spec, f) - stats_before[f]
+                                             for f in ("proposed", "accepted", "verifications"))
+        results[name] = {
+            "tokens_per_s": {mode: spread(r) for mode, r in rates.items()},
+            "speedup_median": statistics.median(rates["ngram"]) / statistics.median(rates["off"]),
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_tokens_per_verification": 1 + accepted / verifications if verifications else 0.0,
+            "proposed": proposed, "accepted": accepted, "verifications": verifications,
+            "output_tokens_per_run": sum(map(len, outputs["off"])),
+            "same_tokens": outputs["off"] == outputs["ngram"]}
+    for llm in llms.values():
+        llm.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--tokens", type=int, default=96, help="max_tokens per request")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--out", help="where to write the JSON (default: bench/results/spec-decode-cpu-<time>.json)")
+    args = parser.parse_args()
+    load_at_start = os.getloadavg()
+    results = bench(args.model, args.tokens, args.runs, args.k)
+    for name, r in results.items():
+        off, on = r["tokens_per_s"]["off"], r["tokens_per_s"]["ngram"]
+        print(f"{name:9s} off {off['median']:6.1f} tok/s [{off['min']:.1f}, {off['max']:.1f}]   "
+              f"ngram k={args.k} {on['median']:6.1f} tok/s [{on['min']:.1f}, {on['max']:.1f}]   "
+              f"x{r['speedup_median']:.2f}   acceptance {r['acceptance_rate']:.0%}, "
+              f"{r['mean_tokens_per_verification']:.2f} tokens per verification, same tokens: {r['same_tokens']}")
+    write_result("spec-decode-cpu", {
+        "benchmark": "spec_decode", "device": "cpu", "model": args.model,
+        "workload": {"requests": {name: len(p) for name, p in WORKLOADS.items()}, "batch": 1, "greedy": True,
+                     "max_tokens": args.tokens, "runs": args.runs, "num_speculative_tokens": args.k},
+        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count(),
+                    "python": platform.python_version(), "numpy": np.__version__, "threads": thread_settings(),
+                    "load_average_at_start": load_at_start},
+        "results": results}, args.out)
+
+
+if __name__ == "__main__":
+    main()

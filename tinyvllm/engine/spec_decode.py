@@ -1,0 +1,77 @@
+"""Chapter 10: speculative decoding — more than one token per step, and never a different answer.
+
+Decode reads every weight to compute ONE token per sequence (chapter 5: bound by memory bandwidth). If
+someone guesses the next k tokens, one forward pass can check all of them: the newest token and the k
+guesses go through the model as a chunk (chunked prefill's path, chapter 7), and the logits at its k + 1
+positions say what the model would have produced at each. The guesses are kept while they match (the
+model runner's verify(), model/sampler.py), the first mismatch is replaced by the model's own token, and
+the K/V of the rejected guesses are dropped (BlockManager.truncate). A step then emits from 1 to k + 1
+tokens for about the cost of one when decode is memory-bound — and the same tokens decoding would emit.
+
+A proposer makes the guesses. Here: prompt lookup (n-gram matching), which needs no model at all. It
+shines when the answer repeats its input (editing a text, answering about a document, code): the last
+few tokens of the sequence are looked up in what came before, and what followed them there is proposed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from tinyvllm.engine.engine_config import EngineConfig
+from tinyvllm.engine.sequence import Sequence
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k tokens that may follow seq's tokens (fewer, or none, when it has no guess)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's "ngram" method): find the sequence's last n tokens earlier in its prompt and
+    output, trying n = max_n first, then shorter; propose the tokens that followed the most recent match."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        tokens = np.asarray(seq.token_ids)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # every window of n tokens that has a token after it (so not the last n tokens themselves)
+            matches = np.flatnonzero((sliding_window_view(tokens[:-1], n) == tokens[-n:]).all(axis=1))
+            if len(matches):
+                follow = matches[-1] + n   # the most recent: the text nearest to where we are
+                return tokens[follow:follow + k].tolist()
+        return []
+
+
+def make_proposer(config: EngineConfig) -> Proposer | None:
+    """The proposer the settings ask for (speculative_method, checked by EngineConfig); None: speculation off."""
+    if config.speculative_method is None:
+        return None
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counted per verification (one sequence's proposals checked in one step), as vLLM's spec-decode metrics."""
+    verifications: int = 0   # sequence-steps that verified proposals
+    proposed: int = 0        # proposed tokens
+    accepted: int = 0        # of which kept (the bonus token of each verification is not counted here)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification emits on average: its accepted proposals and the bonus token (1 to k + 1)."""
+        return 1 + self.accepted / self.verifications if self.verifications else 0.0
+
+    def add(self, proposed: int, emitted: int) -> None:
+        self.verifications += 1
+        self.proposed += proposed
+        self.accepted += emitted - 1
