@@ -350,3 +350,25 @@ def test_a_broken_acceptance_rule_is_caught(plain, speculating, rng, monkeypatch
     want = run(plain, prompts, params)
     monkeypatch.setattr(sampler, "verify", broken)
     assert differences(want, run(speculating, prompts, params)), f"{broken.__name__} went unnoticed"
+
+
+def test_a_structured_output_is_never_speculated_and_still_matches(speculating, rng, monkeypatch):
+    """Its mask covers the next position only, so the scheduler gives it no proposals; its output matches the
+    regex (re.fullmatch, not ours), beside greedy sequences that may speculate."""
+    import re
+
+    from tinyvllm import StructuredOutputsParams
+    pattern, verified = r"[ab]{3,12}", []
+    schedule = speculating.engine.scheduler.schedule
+
+    def recording():
+        step = schedule()
+        verified.extend(s.params.structured_outputs is not None for s in step.verifies)
+        return step
+    monkeypatch.setattr(speculating.engine.scheduler, "schedule", recording)
+    params = [SamplingParams(temperature=1.0, seed=int(rng.integers(1 << 30)), max_tokens=16,
+                             structured_outputs=StructuredOutputsParams(regex=pattern))] + \
+        [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 3
+    outs = speculating.generate(random_prompts(rng, 4), params)
+    assert not any(verified), "a structured output got proposals"
+    assert re.fullmatch(pattern, outs[0].outputs[0].text), outs[0].outputs[0].text

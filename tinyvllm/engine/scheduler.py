@@ -127,6 +127,8 @@ class Scheduler:
         with as many guesses as the budget, the free blocks and its max_tokens leave room for (it emits at most
         k + 1 tokens). Oldest first; returns what is left of free and budget."""
         for seq in list(step.decodes):
+            if seq.params.structured_outputs is not None:
+                continue                               # its mask is for the next position only: no guesses
             room = min(self.num_speculative_tokens, budget, seq.max_tokens - len(seq.output_ids) - 1)
             proposals = self.proposer.propose(seq, room)[:room] if room > 0 else []
             extra = self._extra_blocks(seq, proposals)

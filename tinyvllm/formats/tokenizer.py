@@ -2,6 +2,10 @@
 
 Both families use byte-level BPE: text is split into pieces by one regex, and each piece's UTF-8
 bytes are merged pairwise in rank order. A token's rank is its id, so tiktoken can run either vocab.
+
+One idea, at some length: the tokenizer AND the reading of the files it comes from (tokenizer.json,
+tokenizer_config.json, tiktoken ranks, the chat template), because each check names what is wrong in the
+user's file; building those files from a GGUF is formats/gguf_convert.py's.
 """
 
 import base64
