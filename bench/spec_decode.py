@@ -1,6 +1,6 @@
-"""What speculative decoding (prompt lookup) buys on the CPU, and where it does not.
+"""What speculative decoding (prompt lookup) buys, on the CPU or a GPU, and where it does not.
 
-    python bench/spec_decode.py [--model default] [--tokens 96] [--runs 3] [--k 4]
+    python bench/spec_decode.py [--model default] [--device cpu] [--tokens 96] [--runs 3] [--k 4]
 
 Two workloads, each a few chat requests run one at a time (batch 1: the latency a user sees), greedy:
   grounded   the answer repeats its input: repeat a paragraph, fix a typo in code, rename a variable
@@ -10,7 +10,7 @@ Each workload runs with speculation off and on (speculative_method="ngram", k pr
 times, alternating, so a neighbour that loads the CPU for a while slows both. Reported per workload and
 mode: output tokens per second (median and spread), and with speculation the acceptance rate and the mean
 tokens a verification emits; also whether the tokens were the same with and without speculation (they
-must be). Writes bench/results/spec-decode-cpu-<date>-<time>.json; asserts nothing.
+must be). Writes bench/results/spec-decode-<device>-<date>-<time>.json; asserts nothing.
 """
 from __future__ import annotations
 
@@ -68,10 +68,11 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
-def bench(model: str, tokens: int, runs: int, k: int) -> dict:
+def bench(model: str, device: str, tokens: int, runs: int, k: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=tokens)
-    llms = {"off": LLM(model, device="cpu"),
-            "ngram": LLM(model, device="cpu", speculative_method="ngram", num_speculative_tokens=k)}
+    share = {"num_blocks": 4096} if device == "cuda" else {}   # two engines share the GPU: a pool each, not 90% each
+    llms = {"off": LLM(model, device=device, **share),
+            "ngram": LLM(model, device=device, speculative_method="ngram", num_speculative_tokens=k, **share)}
     for llm in llms.values():
         run_once(llm, ["Hello"], SamplingParams(temperature=0, max_tokens=4))   # warm up
     results = {}
@@ -101,21 +102,22 @@ def bench(model: str, tokens: int, runs: int, k: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--tokens", type=int, default=96, help="max_tokens per request")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--out", help="where to write the JSON (default: bench/results/spec-decode-cpu-<time>.json)")
+    parser.add_argument("--out", help="where to write the JSON (default: bench/results/spec-decode-<device>-<time>.json)")
     args = parser.parse_args()
     load_at_start = os.getloadavg()
-    results = bench(args.model, args.tokens, args.runs, args.k)
+    results = bench(args.model, args.device, args.tokens, args.runs, args.k)
     for name, r in results.items():
         off, on = r["tokens_per_s"]["off"], r["tokens_per_s"]["ngram"]
         print(f"{name:9s} off {off['median']:6.1f} tok/s [{off['min']:.1f}, {off['max']:.1f}]   "
               f"ngram k={args.k} {on['median']:6.1f} tok/s [{on['min']:.1f}, {on['max']:.1f}]   "
               f"x{r['speedup_median']:.2f}   acceptance {r['acceptance_rate']:.0%}, "
               f"{r['mean_tokens_per_verification']:.2f} tokens per verification, same tokens: {r['same_tokens']}")
-    write_result("spec-decode-cpu", {
-        "benchmark": "spec_decode", "device": "cpu", "model": args.model,
+    write_result(f"spec-decode-{args.device}", {
+        "benchmark": "spec_decode", "device": args.device, "model": args.model,
         "workload": {"requests": {name: len(p) for name, p in WORKLOADS.items()}, "batch": 1, "greedy": True,
                      "max_tokens": args.tokens, "runs": args.runs, "num_speculative_tokens": args.k},
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count(),
