@@ -267,15 +267,15 @@ def test_the_mask_comes_before_greedy_sampling_and_logprobs(rng):
                           allowed[i]) for i, t in enumerate((0.0, 1.0, 0.7))]
     out = sample_step(logits, samplings)
     for i in range(3):
-        assert allowed[i, out.tokens[i]]
-        chosen, rank, top_ids, top_values = out.logprobs[i]
+        [token], [(chosen, rank, top_ids, top_values)] = out.tokens[i], out.logprobs[i]   # one token per entry
+        assert allowed[i, token]
         masked = np.where(allowed[i], logits[i], -np.inf)
         expected = masked - np.log(np.exp(masked[allowed[i]] - masked.max()).sum()) - masked.max()
-        assert np.isclose(chosen, expected[out.tokens[i]], atol=1e-5)
+        assert np.isclose(chosen, expected[token], atol=1e-5)
         finite = np.isfinite(top_values)
         assert allowed[i, top_ids[finite]].all() and np.allclose(top_values[finite], expected[top_ids[finite]], atol=1e-5)
         assert np.isclose(np.exp(expected[allowed[i]]).sum(), 1, atol=1e-5)   # the masked distribution sums to 1
-    assert out.tokens[0] == int(np.argmax(np.where(allowed[0], logits[0], -np.inf)))
+    assert out.tokens[0] == [int(np.argmax(np.where(allowed[0], logits[0], -np.inf)))]
 
 
 # ---------------------------------------------------------------- the engine, with real and random models

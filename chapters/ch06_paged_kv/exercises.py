@@ -68,9 +68,9 @@ class BlockManager:
     blocks: grow a running sequence's table in place (append, +=); a new list costs a full rewrite.
 
     Chapter 7's scheduler also calls five planning methods, blocks_to_append, blocks_to_extend,
-    lookup, blocks_to_admit and admit. They are not part of this exercise and are written for you
-    at the end of the class (they read `lengths` and `tables`), so `make chapter-7 IMPL=student` runs on
-    your class too.
+    lookup, blocks_to_admit and admit, and speculative decoding calls truncate (with its helper _release).
+    They are not part of this exercise and are written for you at the end of the class (they read `lengths`,
+    `tables` and `ref_counts`), so `make chapter-7 IMPL=student` runs on your class too.
     """
 
     def __init__(self, num_blocks: int):
@@ -145,3 +145,5 @@ class BlockManager:
     lookup = block_manager.BlockManager.lookup
     blocks_to_admit = block_manager.BlockManager.blocks_to_admit
     admit = block_manager.BlockManager.admit
+    truncate = block_manager.BlockManager.truncate
+    _release = block_manager.BlockManager._release

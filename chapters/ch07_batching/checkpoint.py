@@ -238,7 +238,7 @@ def replay(module: ModuleType, run: Run, num_blocks: int = NUM_BLOCKS) -> list[t
                 if len(seq.output_ids) == seq.max_tokens:
                     sched.finish(seq)
             steps.append(([s.seq_id for s in plan.prefills], [s.seq_id for s in plan.decodes],
-                          [s.seq_id for s in plan.preempted], sched.blocks.num_free))
+                          [s.seq_id for s in plan.preempted], sched.block_manager.num_free))
     return steps
 
 

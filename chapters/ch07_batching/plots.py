@@ -140,7 +140,7 @@ def state_grid(run: checkpoint.Run) -> np.ndarray:
     row = {seq: i for i, seq in enumerate(run.seq_ids)}
     for t, step in enumerate(run.trace):
         for state, key in ((PREFILL, "prefill"), (DECODE, "decode"), (PREEMPTED, "preempted")):
-            for seq in step[key]:
+            for seq in getattr(step, key):
                 grid[row[seq], t] = state
     for i in range(len(grid)):  # every request is there from step 0 (static: held back until its batch)
         grid[i, :int(np.argmax(grid[i] == PREFILL))] = WAITING

@@ -131,13 +131,16 @@ class Logprob:
     decoded_token: str      # the token alone, as text
 
 
+LOGPROB_FLOOR = -9999.0   # vLLM's: a token a structured output's mask forbids has logprob -inf, which JSON cannot say
+
+
 def logprob_entries(token: int, logprob: float, rank: int, top_ids: np.ndarray, top_values: np.ndarray,
                     k: int, decode: Callable[[int], str]) -> dict[int, Logprob]:
     """One generated token's entry (host side): the sampled token, then the k likeliest (k or k+1 in all).
     Every token more likely than one of the top k is itself in the top k, so their ranks count there."""
     order = np.lexsort((top_ids, -top_values))[:k]  # most likely first; ties by the smaller id
-    ids, values = top_ids[order], top_values[order]
-    entries = {token: Logprob(float(logprob), int(rank), decode(token))}
+    ids, values = top_ids[order], np.maximum(top_values[order], LOGPROB_FLOOR)
+    entries = {token: Logprob(max(float(logprob), LOGPROB_FLOOR), int(rank), decode(token))}
     for i, v in zip(ids.tolist(), values.tolist()):
         entries.setdefault(i, Logprob(v, 1 + int((values > v).sum()), decode(i)))
     return entries

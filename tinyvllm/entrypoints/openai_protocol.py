@@ -20,7 +20,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from tinyvllm.engine.sampling import MAX_LOGPROBS, MAX_N, MIN_REPETITION_PENALTY, SamplingParams
-from tinyvllm.entrypoints.structured_request import from_response_format, from_structured_outputs, structured_params
+from tinyvllm.entrypoints.structured_request import (RESPONSE_FORMAT_SCHEMA, STRUCTURED_OUTPUTS_SCHEMA,
+                                                     from_response_format, from_structured_outputs, structured_params)
 from tinyvllm.errors import TinyVLLMError
 
 
@@ -97,8 +98,8 @@ class _Request(BaseModel):
     functions: list | None = not_built("functions")
     function_call: str | dict | None = not_built("function_call")
     parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = not_built("parallel_tool_calls")
-    response_format: dict | None = None                # text, json_object or json_schema (chapter 11)
-    structured_outputs: dict | None = None             # vLLM's extra field: json, regex, choice, grammar, json_object
+    response_format: dict | None = Field(None, json_schema_extra=RESPONSE_FORMAT_SCHEMA)  # text, json_object, json_schema
+    structured_outputs: dict | None = Field(None, json_schema_extra=STRUCTURED_OUTPUTS_SCHEMA)  # vLLM's extra field
     logit_bias: dict | None = not_built("logit_bias")
     audio: dict | None = not_built("audio")
     modalities: list | None = not_built("modalities")
