@@ -267,7 +267,7 @@ def test_the_mask_comes_before_greedy_sampling_and_logprobs(rng):
                           allowed[i]) for i, t in enumerate((0.0, 1.0, 0.7))]
     out = sample_step(logits, samplings)
     for i in range(3):
-        [token], [(chosen, rank, top_ids, top_values)] = out.tokens[i], out.logprobs[i]   # one token per entry
+        [token], [(chosen, _, top_ids, top_values)] = out.tokens[i], out.logprobs[i]   # one token per entry
         assert allowed[i, token]
         masked = np.where(allowed[i], logits[i], -np.inf)
         expected = masked - np.log(np.exp(masked[allowed[i]] - masked.max()).sum()) - masked.max()
