@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.kernels import KERNELS, parse_shapes
+from tests.test_cli import assert_user_error  # exit 2, one line on stderr, no traceback: the CLI's rule
 from tinyvllm.model.backend.constants import (
     DECODE_HEAD_DIMS,
     GEMV_MAX_ROWS,
@@ -40,16 +41,6 @@ def workbench(*args: str, no_cupy: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     return subprocess.run([sys.executable, "bench/kernels.py", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
-
-
-def assert_user_error(run: subprocess.CompletedProcess, *words: str) -> None:
-    """As tests/test_cli.py's: exit 2, one line on stderr starting "error: ", no traceback, nothing on stdout."""
-    lines = run.stderr.strip().splitlines()
-    assert run.returncode == 2, f"exit {run.returncode}: {run.stderr[-2000:]}"
-    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr[-2000:]
-    assert "Traceback" not in run.stderr and run.stdout == ""
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 def test_list_names_every_kernel(no_cupy):
