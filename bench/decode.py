@@ -16,7 +16,8 @@ cache) on the same weights and context.
 Then `batches`: at batch 1, 8 and 64 (--batches), the paged pool at the same context per sequence, one CUDA graph
 replay per step (eager on the CPU): ms per step (= per token of each sequence) fused and unfused, the floor and
 x the floor, and the backend op calls per step (one kernel launch each; paged attention adds a merge kernel in the
-layers where it splits a context; above GEMV_MAX_ROWS rows both modes run the unfused layer).
+layers where it splits a context; above GEMV_MAX_ROWS rows both modes run the unfused layer), and the same step in
+the batch-invariant mode (`batch_invariant`, with its ratio to the engine's default path).
 
 On the CPU (--device cpu: NumPy, no graphs, no transformers) the same figures, as a smoke test with a small
 --model. Writes bench/results/decode-<time>.json (decode-cpu-<time>.json on the CPU).
@@ -251,6 +252,18 @@ def batch_sweep(model, batches: list[int], context: int, steps: int, bandwidth: 
     return rows
 
 
+def invariant_sweep(model, rows: list[dict], context: int, steps: int) -> None:
+    """The same steps in the batch-invariant mode (its unfused layer on gemm_invariant, attention split by each
+    row's length), beside the engine's default path: rows[i]["batch_invariant"]."""
+    for row in rows:
+        ms, calls = ms_per_step(model, row["batch"], context, steps)
+        default = row.get("engine", row["fused"])["ms_per_token"]
+        row["batch_invariant"] = {"ms_per_token": ms, "ratio_to_floor": ms / row["floor_ms"],
+                                  "op_calls_per_step": calls, "over_default": ms / default}
+        if model.device == "cuda":
+            model.ops.free_cached_memory()
+
+
 # ---------------------------------------------------------------- transformers
 
 def load_transformers(model_dir: Path, device: str):
@@ -340,7 +353,8 @@ def report(result: dict) -> None:
     print(f"batch sweep ({result['batches_mode']}, context {result['context']} per sequence): ms per step")
     for row in result["batches"]:
         cells = "  ".join(f"{mode} {row[mode]['ms_per_token']:.3f} ({row[mode]['ratio_to_floor']:.2f}x, "
-                          f"{row[mode]['op_calls_per_step']} op calls)" for mode in ("fused", "unfused", "engine")
+                          f"{row[mode]['op_calls_per_step']} op calls)"
+                          for mode in ("fused", "unfused", "engine", "batch_invariant")
                           if mode in row)
         print(f"    batch {row['batch']:3d}: floor {row['floor_ms']:.3f}  {cells}")
     invariant = result["batch_invariant"]
@@ -374,8 +388,10 @@ def main(argv: list[str] | None = None) -> Path:
     unfused, fused = compare_fused(model, args.context, args.steps, bandwidth)
     batches_rows = batch_sweep(model, batches, args.context, args.steps, bandwidth)
     del model
-    invariant = Model(model_dir, device=args.device, max_num_batched_tokens=args.context, batch_invariant=True)
+    invariant = Model(model_dir, device=args.device, max_num_batched_tokens=max(args.context, *batches),
+                      batch_invariant=True)
     invariant_run = tinyvllm_ms_per_token(invariant, args.context, args.steps, bandwidth)
+    invariant_sweep(invariant, batches_rows, args.context, args.steps)
     del invariant
     hf = load_transformers(model_dir, args.device)   # the peers: transformers' eager loop, then its static cache
     hf_ms = transformers_ms_per_token(hf, args.context, args.steps, args.device)

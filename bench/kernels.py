@@ -182,9 +182,10 @@ def gemv(ops: ModuleType, twin: ModuleType, rng: np.random.Generator, T: int, K:
     return Case(lambda: ops.gemv(x, w, out), check, x.nbytes + w.nbytes + out.nbytes)
 
 
-@kernel("gemv_rows", "T K N f32", (13, 2056, 1000, 0), (37, 576, 1003, 1))
-def gemv_rows(ops: ModuleType, twin: ModuleType, rng: np.random.Generator, T: int, K: int, N: int, f32: int) -> Case:
-    """gemm_invariant (chapter 7): out (T, N) = x @ W^T, any T, in groups of GEMV_MAX_ROWS rows; K % 8 == 0"""
+@kernel("gemm_invariant", "T K N f32", (13, 2080, 1000, 0), (37, 576, 1003, 1), (300, 2080, 3000, 0))
+def gemm_invariant(ops: ModuleType, twin: ModuleType, rng: np.random.Generator, T: int, K: int, N: int,
+                   f32: int) -> Case:
+    """the batch-invariant GEMM (chapter 7): out (T, N) = x @ W^T on tensor cores, any T, K % INVARIANT_CHUNK == 0"""
     x32, x = bf16_pair(rng, (T, K))
     w32, w = bf16_pair(rng, (N, K), scale=K ** -0.5)
     out = poisoned((T, N), f32)

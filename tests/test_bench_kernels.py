@@ -17,6 +17,7 @@ from tests.test_cli import assert_user_error  # exit 2, one line on stderr, no t
 from tinyvllm.model.backend.constants import (
     DECODE_HEAD_DIMS,
     GEMV_MAX_ROWS,
+    INVARIANT_CHUNK,
     PREFILL_HEAD_DIMS,
     norm_gemv_smem,
     prefill_smem,
@@ -81,7 +82,9 @@ def test_default_shapes_keep_the_layout_rules():
             s = dict(zip(k.fields, shape))
             if "K" in s:   # gemv and the fused layer: 16-byte loads of whole rows
                 assert s["K"] % 8 == 0 and s["K"] & (s["K"] - 1), (name, shape)
-            if "K" in s and name != "gemv_rows":
+            if name == "gemm_invariant":   # whole chunks of k
+                assert s["K"] % INVARIANT_CHUNK == 0, (name, shape)
+            elif "K" in s:
                 assert 1 <= s["T"] <= GEMV_MAX_ROWS, (name, shape)
             if "head_dim" in s:
                 assert s["head_dim"] in (PREFILL_HEAD_DIMS if "start" in s or name == "prefill_attention"

@@ -12,9 +12,11 @@ from tinyvllm.model.backend import numpy_ops as twin
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 
-@pytest.mark.parametrize("splits", [None, 1, 2, 16])  # None: the engine's choice; 16 leaves short rows' splits empty
+# None: the engine's choice; 16 leaves short rows' splits empty; split_tokens: the batch-invariant mode's parts of
+# a size set by each row's length (4097 keys in 16 parts of 320, or in 4 parts of 1,040 at 16 per step)
+@pytest.mark.parametrize("splits, split_tokens", [(None, 0), (1, 0), (2, 0), (16, 0), (16, 64), (4, 16)])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 64), (9, 3, 64), (8, 1, 128), (16, 8, 32)])
-def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim, splits, rng):
+def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim, splits, split_tokens, rng):
     import cupy as cp
 
     from tinyvllm.model.backend import cuda_ops
@@ -24,7 +26,8 @@ def test_paged_attention_kernel_matches_twin(heads, kv_heads, head_dim, splits, 
     qkv32, qkv = bf16_pair(rng, (n, q_cols + 2 * kv_heads * head_dim), scale=2.0)
     lengths = np.array(LENGTHS, np.int32)
     out = nan_bf16((n + 1, q_cols))
-    cuda_ops.paged_attention(qkv, k_gpu, v_gpu, cp.asarray(tables), cp.asarray(lengths), out[:n], heads, splits)
+    cuda_ops.paged_attention(qkv, k_gpu, v_gpu, cp.asarray(tables), cp.asarray(lengths), out[:n], heads, splits,
+                             split_tokens)
     expected = np.empty((n, q_cols), np.float32)
     twin.paged_attention(qkv32, k32, v32, tables, lengths, expected, heads)
     got = from_bf16(out)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyvllm.model.backend.constants import nvrtc_defines
+from tinyvllm.model.backend.constants import INVARIANT_GEMM_TILES, nvrtc_defines
 
 KERNELS = sorted((Path(__file__).resolve().parent.parent / "tinyvllm" / "model" / "kernels").glob("*.cu"))
 NVCC = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
@@ -15,17 +15,19 @@ NVCC = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin")
 DECODE_ARGS = ("const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const int*, const int*, "
                "__nv_bfloat16*, int, int, int, float")
 PAGED_ARGS = ("const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const int*, int, const int*, "
-              "__nv_bfloat16*, int, int, int, float, float*")
+              "__nv_bfloat16*, int, int, int, float, float*, int")
 SHAPES = [(64, 4), (128, 3), (128, 4), (64, 3), (16, 1), (32, 2), (128, 8)]
 INSTANCES = {  # (head_dim, query heads per K/V head): Llama 3.2 1B/3B, 3.1 8B, SmolLM2, the tests' shapes
     "decode_attention": [f"template __global__ void decode_attention<{d}, {g}>({DECODE_ARGS});\n"
                          for d, g in SHAPES],
     "paged_attention": [f"template __global__ void paged_attention<{d}, {g}>({PAGED_ARGS});\n" for d, g in SHAPES]
-    + [f"template __global__ void merge_splits<{d}>(const float*, int, __nv_bfloat16*, int);\n" for d in (32, 64, 128)],
+    + [f"template __global__ void merge_splits<{d}>(const float*, int, const int*, int, __nv_bfloat16*, int);\n"
+       for d in (32, 64, 128)],
     "gemv": [f"template __global__ void gemv<{n}, {f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, int, "
-             f"int);\n" for n in range(1, 9) for f in ("true", "false")]
-    + [f"template __global__ void gemv_rows<{f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, int, int, "
-       f"int);\n" for f in ("true", "false")],
+             f"int);\n" for n in range(1, 9) for f in ("true", "false")],
+    "gemm_invariant": [f"template __global__ void gemm_invariant<{t.warps_m}, {t.warps_n}, {t.tm}, {t.tn}, {t.bk}, "
+                       f"{t.row_stride}, {t.stages}, {f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, int, "
+                       f"int, int);\n" for _, t in INVARIANT_GEMM_TILES for f in ("true", "false")],
 }
 
 

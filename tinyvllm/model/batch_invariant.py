@@ -13,10 +13,12 @@ answers part. Two operations choose their order by the batch:
 Everything else works row by row (RMSNorm, RoPE, SwiGLU, the K/V store, the argmax) or, on the GPU, already
 sums in a fixed order per query: the prefill and chunk attention kernels walk keys in 64-key tiles from
 position 0, so a prompt's tokens see the same tiles whether the prefix was prefilled now or found in the
-prefix cache, in one chunk or three. The mode swaps the two: `gemm_invariant` (every row through gemv's
-arithmetic, in groups of rows) and paged attention never split. What it costs — CUDA cores instead of
-tensor cores for every GEMM, a weight read per group of rows, one block per (sequence, head) at batch 1 —
-bench/throughput.py measures.
+prefix cache, in one chunk or three. The mode swaps the two. `gemm_invariant` (kernels/gemm_invariant.cu) runs every
+GEMM on tensor cores with one order of summation per output element, the same at any T: a chain of m16n8k16
+products over k in 32-wide chunks, never split, whatever block tile T picks. Paged attention splits every context
+into parts whose size follows the row's own length (INVARIANT_SPLIT_TOKENS), at every batch size, and merges them
+in order. What it costs — bench/invariant_steps.py and bench/invariant_gemm.py measure: the kernel runs at a
+quarter to a third of cuBLAS's rate, so a decode step costs 2.1x to 2.6x the default's on an H200.
 
 On the CPU a BLAS library makes those choices, and they cannot be trusted: which kernel a product of T rows
 gets, how it is blocked and split between threads, depends on the CPU (OpenBLAS has a kernel family per core
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from tinyvllm.model.backend.constants import INVARIANT_SPLIT_TOKENS, MAX_SPLITS
 from tinyvllm.model.fused import FUSED_OPS
 
 
@@ -54,7 +57,8 @@ class BatchInvariantOps:
         self._ops.gemm_invariant(x, w, out)
 
     def paged_attention(self, qkv, k_cache, v_cache, block_tables, lengths, out, num_heads: int) -> None:
-        self._ops.paged_attention(qkv, k_cache, v_cache, block_tables, lengths, out, num_heads, splits=1)
+        self._ops.paged_attention(qkv, k_cache, v_cache, block_tables, lengths, out, num_heads, splits=MAX_SPLITS,
+                                  split_tokens=INVARIANT_SPLIT_TOKENS)
 
     def prefill_attention(self, qkv, out, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self._ops.prefill_attention_invariant(qkv, out, num_heads, num_kv_heads, head_dim)

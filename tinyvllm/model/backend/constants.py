@@ -7,6 +7,8 @@ chunking). BLOCK_SIZE, the paged KV block size, has its one source in tinyvllm/m
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from tinyvllm.model.step_plan import BLOCK_SIZE
 
 BF16_PER_VECTOR = 8  # bf16 values in one 16-byte vector load (uint4): what a kernel thread loads at once
@@ -51,6 +53,61 @@ GEMV_LOADS = 4  # 16-byte weight loads a lane issues before using any (chapter 8
 # once per block (1 to 4 blocks per SM measured alike on an H200)
 FUSED_BLOCKS_PER_SM = 2
 
+# The batch-invariant mode (chapter 7): paged attention splits every context into parts of a size fixed by its own
+# length, at every batch size: span = INVARIANT_SPLIT_TOKENS x ceil(ceil(length / INVARIANT_SPLIT_TOKENS) /
+# MAX_SPLITS), at most MAX_SPLITS parts (decode_attention.cuh's split_span), so a row's sums never follow the batch
+INVARIANT_SPLIT_TOKENS = 512  # long enough that most rows of a large batch are one part (no merge), short enough
+# that batch 1 at 4,096 keys gets 8 parts x 8 K/V heads
+
+# The batch-invariant GEMM (chapter 7, kernels/gemm_invariant.cu): every output element is one chain of
+# m16n8k16 products over k in INVARIANT_CHUNK-wide chunks, so K % INVARIANT_CHUNK == 0
+INVARIANT_CHUNK = 32  # two m16n8k16 instructions of 16 k; one 16-byte load per lane and row
+
+
+class GemmTile(NamedTuple):
+    """A block tile of gemm_invariant: warps_m x warps_n warps, each tm x tn m16n8 tiles; bk columns of k per stage,
+    `stages` stages in flight. Any tile gives a row the same bits (the kernel's one order of k): the choice is speed."""
+    warps_m: int
+    warps_n: int
+    tm: int
+    tn: int
+    bk: int
+    stages: int
+
+    @property
+    def rows(self) -> int:
+        return self.warps_m * self.tm * 16
+
+    @property
+    def cols(self) -> int:
+        return self.warps_n * self.tn * 8
+
+    @property
+    def threads(self) -> int:
+        return self.warps_m * self.warps_n * 32
+
+    @property
+    def row_stride(self) -> int:
+        """bf16 per shared-memory row: 64 bytes modulo 128, so the rows r and r + 1 a quarter warp reads share no bank."""
+        return self.bk if (2 * self.bk) % 128 == 64 else self.bk + 32
+
+    @property
+    def smem(self) -> int:
+        """Dynamic shared memory per block: `stages` A (rows x bk) and B (cols x bk) tiles, bf16."""
+        return self.stages * (self.rows + self.cols) * self.row_stride * 2
+
+
+# (up to this many rows, the tile): the fastest for a whole layer of Llama 3.2 1B on an H200 among the candidates
+# bench/invariant_gemm.py times (invariant_gemm-20261203-095339.json)
+INVARIANT_GEMM_TILES = ((32, GemmTile(1, 4, 1, 1, 128, 4)),
+                        (256, GemmTile(2, 4, 2, 2, 64, 4)),
+                        (None, GemmTile(2, 4, 4, 4, 32, 3)))
+
+
+def invariant_gemm_tile(rows: int) -> GemmTile:
+    """The tile gemm_invariant uses for a product of `rows` rows (INVARIANT_GEMM_TILES)."""
+    return next(tile for most, tile in INVARIANT_GEMM_TILES if most is None or rows <= most)
+
 
 def decode_thread_groups(head_dim: int) -> int:
     """How many keys decode attention's block works on side by side, i.e. how many chunks it cuts a
@@ -81,6 +138,7 @@ KERNEL_CONSTANTS = {
     "GEMV_THREADS": GEMV_THREADS,
     "GEMV_LOADS": GEMV_LOADS,
     "FUSED_BLOCKS_PER_SM": FUSED_BLOCKS_PER_SM,
+    "INVARIANT_CHUNK": INVARIANT_CHUNK,
 }
 
 

@@ -21,6 +21,7 @@ from tinyvllm.model.backend.constants import (
     GEMV_DECODE_ROWS,
     GEMV_MAX_ROWS,
     GEMV_THREADS,
+    INVARIANT_CHUNK,
     MAX_SPLITS,
     NORM_VECTOR,
     PREFILL_HEAD_DIMS,
@@ -29,6 +30,8 @@ from tinyvllm.model.backend.constants import (
     ROWS,
     SPLIT_MAX_ROWS,
     STORE_KV_THREADS,
+    GemmTile,
+    invariant_gemm_tile,
     norm_gemv_smem,
     nvrtc_defines,
     prefill_smem,
@@ -76,15 +79,24 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
 
 
 def gemm_invariant(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
-    """gemm for the batch-invariant mode: every row summed in one fixed order whatever T is (kernels/gemv.cu's
-    gemv_rows, on groups of GEMV_MAX_ROWS rows), so a sequence's logits do not depend on its batch."""
+    """gemm for the batch-invariant mode (chapter 7): on tensor cores, every output element summed in one fixed
+    order whatever T is (kernels/gemm_invariant.cu), so a sequence's logits do not depend on its batch; the block
+    tile follows T for speed (constants.INVARIANT_GEMM_TILES) and changes no bits."""
+    gemm_invariant_tiled(x, w, out, invariant_gemm_tile(x.shape[0]))
+
+
+def gemm_invariant_tiled(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray, tile: GemmTile) -> None:
+    """gemm_invariant with a given block tile: bench/invariant_gemm.py times them, the GPU tests compare their bits."""
     T, K = x.shape
     N = w.shape[0]
-    assert x.strides == w.strides == (2 * K, 2) and K % BF16_PER_VECTOR == 0, "whole rows, 16-byte loads"
-    assert out.strides[1] == out.itemsize and out.shape == (T, N)
-    kernel("gemv", f"gemv_rows<{'true' if out.dtype == np.float32 else 'false'}>")(
-        (-(-T // GEMV_MAX_ROWS), -(-N // GEMV_COLUMNS_PER_BLOCK)), (GEMV_THREADS,),
-        (x, w, out, np.int32(T), np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
+    assert K % INVARIANT_CHUNK == 0, f"gemm_invariant sums k in chunks of {INVARIANT_CHUNK}: K = {K} is no multiple"
+    assert x.strides == w.strides == (2 * K, 2) and out.strides[1] == out.itemsize and out.shape == (T, N)
+    f32 = "true" if out.dtype == np.float32 else "false"
+    k = kernel("gemm_invariant", f"gemm_invariant<{tile.warps_m}, {tile.warps_n}, {tile.tm}, {tile.tn}, {tile.bk}, "
+                                 f"{tile.row_stride}, {tile.stages}, {f32}>")
+    k.max_dynamic_shared_size_bytes = tile.smem
+    k((-(-N // tile.cols), -(-T // tile.rows)), (tile.threads,),
+      (x, w, out, np.int32(T), np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)), shared_mem=tile.smem)
 
 
 # ---- chapter 8: the fused decode layer (kernels/fused_decode.cu), up to GEMV_MAX_ROWS rows
@@ -252,28 +264,35 @@ def _multiprocessors() -> int:
 
 
 def paged_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, block_tables: cp.ndarray,
-                    lengths: cp.ndarray, out: cp.ndarray, num_heads: int, splits: int | None = None) -> None:
+                    lengths: cp.ndarray, out: cp.ndarray, num_heads: int, splits: int | None = None,
+                    split_tokens: int = 0) -> None:
     """splits: how many blocks share one sequence's context. By default the context is split only when
     one block per (sequence, K/V head) would leave most SMs idle (bench/paged_attention.py: at 16
-    sequences x 8 heads the extra merge costs more than it gains), into enough parts for ~2 blocks per SM."""
+    sequences x 8 heads the extra merge costs more than it gains), into enough parts for ~2 blocks per SM.
+    split_tokens > 0 (the batch-invariant mode): parts of a size set by each row's own length, in multiples of
+    split_tokens, at most `splits` of them (decode_attention.cuh's split_span), at any batch size."""
     assert block_tables.flags.c_contiguous and block_tables.dtype == np.int32
     n, (_, kv_heads, head_dim) = out.shape[0], k_cache.shape
     if splits is None:
         blocks, sms = n * kv_heads, _multiprocessors()
         splits = min(MAX_SPLITS, -(-2 * sms // blocks)) if 2 * blocks <= sms and n <= SPLIT_MAX_ROWS else 1
-    assert 1 <= splits <= MAX_SPLITS and (splits == 1 or n <= SPLIT_MAX_ROWS)
-    partial = _split_workspace(num_heads, head_dim)  # fixed, allocated once: a CUDA graph keeps its address
+    assert 1 <= splits <= MAX_SPLITS and (splits == 1 or split_tokens or n <= SPLIT_MAX_ROWS)
+    rows = SPLIT_MAX_ROWS if splits == 1 else max(SPLIT_MAX_ROWS, 1 << (n - 1).bit_length())  # unread at 1 split
+    partial = _split_workspace(num_heads, head_dim, rows)
     _launch_decode("paged_attention", qkv, k_cache, v_cache,
-                   (block_tables, np.int32(block_tables.shape[1]), lengths), out, num_heads, splits, (partial,))
+                   (block_tables, np.int32(block_tables.shape[1]), lengths), out, num_heads, splits,
+                   (partial, np.int32(split_tokens)))
     if splits > 1:
         kernel("paged_attention", f"merge_splits<{head_dim}>")(
-            (num_heads, n), (head_dim,), (partial, np.int32(splits), out, np.int32(out.strides[0] // 2)))
+            (num_heads, n), (head_dim,),
+            (partial, np.int32(splits), lengths, np.int32(split_tokens), out, np.int32(out.strides[0] // 2)))
 
 
 @functools.lru_cache(maxsize=None)
-def _split_workspace(num_heads: int, head_dim: int) -> cp.ndarray:
-    """(SPLIT_MAX_ROWS, num_heads, MAX_SPLITS, head_dim + 2) fp32: each split's output, max and sum."""
-    return cp.empty(SPLIT_MAX_ROWS * num_heads * MAX_SPLITS * (head_dim + 2), np.float32)
+def _split_workspace(num_heads: int, head_dim: int, rows: int) -> cp.ndarray:
+    """(rows, num_heads, MAX_SPLITS, head_dim + 2) fp32: each split's output, max and sum; one per power of 2 of rows,
+    allocated once: a CUDA graph keeps its address."""
+    return cp.empty(rows * num_heads * MAX_SPLITS * (head_dim + 2), np.float32)
 
 
 def _launch_decode(name: str, qkv, k_cache, v_cache, where: tuple, out, num_heads: int, splits: int = 1,

@@ -259,11 +259,12 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                    lengths: np.ndarray, out: np.ndarray, num_heads: int, splits: int | None = None) -> None:
+                    lengths: np.ndarray, out: np.ndarray, num_heads: int, splits: int | None = None,
+                    split_tokens: int = 0) -> None:
     """kernels/paged_attention.cu: decode_attention, with row b's token t in slot
     block_tables[b, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE (chapter 6). The kernel's thread groups and
     its optional context splits (chapter 7) only change the order of the same sums; the twin sums each row
-    whole (attend), whatever `splits` says, in the pool's own layout."""
+    whole (attend), whatever `splits` and `split_tokens` say, in the pool's own layout."""
     _, kv_heads, head_dim = k_cache.shape
     queries = qkv[:, :num_heads * head_dim].reshape(-1, kv_heads, num_heads // kv_heads, head_dim)  # row b: (KVH, G, d)
     for b, length in enumerate(lengths.tolist()):

@@ -128,19 +128,32 @@ __device__ void decode_attention_block(const __nv_bfloat16* q, const __nv_bfloat
     }
 }
 
+// Chapter 7 — the keys one split of a context covers: `splits` equal parts of the length (split_tokens == 0), or,
+// in the batch-invariant mode, split_tokens times as many as fit the length into `splits` parts — a function of the
+// row's own length, never of the batch, so its sums run in the same order in any batch
+__device__ __forceinline__ int split_span(int length, int splits, int split_tokens) {
+    if (split_tokens == 0) return (length + splits - 1) / splits;
+    const int parts = (length + split_tokens - 1) / split_tokens;
+    return split_tokens * ((parts + splits - 1) / splits);
+}
+
 // Chapter 7 — merge the splits of one (sequence, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+// Only the row's own non-empty splits are read, in order; a row of one part was written by paged_attention.
 // Launch: grid (num_heads, n), block (HEAD_DIM). Layout: partial fp32 (n, num_heads, splits, HEAD_DIM + 2)
-//   = output, max, sum of each split (max -inf for an empty split); out bf16 (n, out_stride).
+//   = output, max, sum of each split; lengths int32 (n,); out bf16 (n, out_stride).
 template <int HEAD_DIM>
-__global__ void merge_splits(const float* __restrict__ partial, int splits, __nv_bfloat16* __restrict__ out,
-                             int out_stride) {
+__global__ void merge_splits(const float* __restrict__ partial, int splits, const int* __restrict__ lengths,
+                             int split_tokens, __nv_bfloat16* __restrict__ out, int out_stride) {
     const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
     const float* p = partial + ((long long)b * gridDim.x + h) * splits * (HEAD_DIM + 2);
+    const int span = split_span(lengths[b], splits, split_tokens);
+    const int parts = span > 0 ? (lengths[b] + span - 1) / span : 0;  // the row's own splits: the rest are empty
+    if (parts <= 1) return;  // one part: paged_attention wrote out itself
     float max_all = -INFINITY;
-    for (int s = 0; s < splits; ++s) max_all = fmaxf(max_all, p[s * (HEAD_DIM + 2) + HEAD_DIM]);  // split 0 has keys
+    for (int s = 0; s < parts; ++s) max_all = fmaxf(max_all, p[s * (HEAD_DIM + 2) + HEAD_DIM]);
     float sum = 0.0f, denom = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        float weight = exp2f(p[s * (HEAD_DIM + 2) + HEAD_DIM] - max_all);  // 0 for an empty split
+    for (int s = 0; s < parts; ++s) {
+        float weight = exp2f(p[s * (HEAD_DIM + 2) + HEAD_DIM] - max_all);
         sum += weight * p[s * (HEAD_DIM + 2) + d];
         denom += weight * p[s * (HEAD_DIM + 2) + HEAD_DIM + 1];
     }

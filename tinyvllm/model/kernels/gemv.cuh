@@ -1,6 +1,6 @@
 // Chapter 5 (its loads batched in chapter 8) — the heart of every gemv kernel: one warp's dot products of one
-// weight row with a handful of input rows, shared by gemv.cu (decode's projections, the batch-invariant
-// gemv_rows) and fused_decode.cu (chapter 8's fused decode layer), so they all sum in the same order.
+// weight row with a handful of input rows, shared by gemv.cu (decode's projections) and fused_decode.cu
+// (chapter 8's fused decode layer), so they all sum in the same order.
 // A warp owns one output column j = weight row j: lane l takes k = 8l, 8l + 256, 8l + 512, ... (16-byte loads, a
 // warp reads 512 contiguous bytes per step), keeps one running sum per input row, and the warp adds its 32 partial
 // sums up with shuffles. The weights are read exactly once, so the speed is the number of bytes in flight: each
@@ -15,7 +15,7 @@
 
 constexpr int GEMV_WARP_STEP = 32 * 8;  // k covered by one 16-byte load of every lane of a warp
 
-// acc[b] = x[b] . row for the first `rows` input rows (gemv: all NB; gemv_rows: fewer in its last group)
+// acc[b] = x[b] . row for the first `rows` input rows (every caller passes NB)
 template <int NB>
 __device__ __forceinline__ void gemv_sums(const __nv_bfloat16* x, const __nv_bfloat16* row, int K, int rows,
                                           float (&acc)[NB]) {

@@ -46,7 +46,7 @@
 #ifndef BLOCK_SIZE
 #error "BLOCK_SIZE comes from Python (tinyvllm/model/kv_pool.py, passed on by backend/constants.py) through -D"
 #endif
-#include "common.cuh"
+#include "mma.cuh"  // mma_16x8x16 and the cp.async copies
 
 constexpr int BQ = PREFILL_TILE, BK = PREFILL_KEY_TILE;  // query rows per block, keys per K/V tile
 static_assert(PREFILL_WARP_ROWS % 16 == 0 && PREFILL_THREADS == BQ / PREFILL_WARP_ROWS * 32,
@@ -59,14 +59,6 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&v);
 }
 
-// c (16x8 fp32) += a (16x16 bf16, row-major) * b (16x8 bf16, column-major)
-__device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // Start copying TILE rows of D bf16 from global into a shared tile with row stride D + PREFILL_SMEM_PAD (the
 // padding puts the 8 rows an ldmatrix reads at once in different banks), 16 bytes per cp.async: the copy runs
 // while the warps compute on the other stage. Rows from `rows` on are zero-filled (a source size of 0 reads
@@ -77,14 +69,10 @@ __device__ void load_tile_async(__nv_bfloat16* dst, Row row, int first_row, int 
         int r = c / (D / 8), col = (c % (D / 8)) * 8;
         bool inside = first_row + r < rows;
         const __nv_bfloat16* src = row(inside ? first_row + r : 0) + col;
-        unsigned to = (unsigned)__cvta_generic_to_shared(dst + r * (D + PREFILL_SMEM_PAD) + col);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(inside ? 16 : 0));
+        copy_16_async(dst + r * (D + PREFILL_SMEM_PAD) + col, src, inside);
     }
-    asm volatile("cp.async.commit_group;\n" ::);
+    commit_copies();
 }
-
-template <int PENDING>  // wait until at most PENDING groups of copies are still in flight
-__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING)); }
 
 // Four 8x8 bf16 matrices from shared memory, one row address per lane (lanes 8i .. 8i+7: matrix i); TRANS
 // transposes each, which turns V's key-major rows into the B fragment of P V.
