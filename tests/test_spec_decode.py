@@ -116,6 +116,36 @@ def test_the_cli_has_the_speculation_flags():
     assert (config.speculative_method, config.num_speculative_tokens, config.prompt_lookup_max,
             config.prompt_lookup_min) == ("ngram", 3, 5, 1)
     assert engine_config(parser.parse_args([])).speculative_method is None   # off by default
+    config = engine_config(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                              '"prompt_lookup_max": 5, "prompt_lookup_min": 1}']))
+    assert (config.speculative_method, config.num_speculative_tokens, config.prompt_lookup_max,
+            config.prompt_lookup_min) == ("ngram", 3, 5, 1)
+
+
+@pytest.mark.parametrize("speculative_config, settings, message", [
+    ({"method": "ngram", "k": 3}, {}, r"unknown keys \['k'\]; the keys are \['method'"),
+    ('{"method": ngram}', {}, "is not JSON"),
+    (["ngram"], {}, "must be an object"),
+    ({"method": "ngram", "num_speculative_tokens": 3}, {"num_speculative_tokens": 5}, "given both"),
+    ({"method": "eagle"}, {}, "speculative_method must be one of ngram"),
+])
+def test_a_wrong_speculative_config_is_one_line(speculative_config, settings, message):
+    from tinyvllm.engine.engine_config import with_speculative_config
+    with pytest.raises(TinyVLLMError, match=message) as caught:
+        EngineConfig(**with_speculative_config(settings, speculative_config))
+    assert "\n" not in str(caught.value)
+
+
+def test_speculative_config_sets_what_the_flags_set():
+    from tinyvllm.engine.engine_config import with_speculative_config
+    given = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    assert with_speculative_config({"max_num_seqs": 8}, given) == {
+        "max_num_seqs": 8, "speculative_method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+
+
+def test_the_cli_refuses_a_bad_speculative_config_in_one_line():
+    from tests.test_cli import assert_user_error, tinyvllm
+    assert_user_error(tinyvllm("generate", "hi", "--speculative-config", "{ngram}", check=False), "not JSON")
 
 
 # ---- the engine: the same answer with speculation on ----

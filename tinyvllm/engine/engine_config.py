@@ -7,6 +7,7 @@ file reads the clamped values. Picklable: `serve` sends it to the engine process
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields, replace
 
 from tinyvllm.errors import TinyVLLMError
@@ -24,6 +25,27 @@ CPU_STEP_FLOPS = 1.5e10
 # of it; a GPU's is sized for throughput: 1,024 of its 8,192 keep a step of a 1B model in milliseconds.
 LONG_PREFILL_SHARE = {"cpu": 2, "cuda": 8}
 SPECULATIVE_METHODS = ("ngram",)   # chapter 10's proposers (engine/spec_decode.py); None: no speculation
+# vLLM's speculative_config keys, and the EngineConfig field each one sets
+SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+                           "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+
+
+def speculative_settings(speculative_config: dict | str) -> dict:
+    """vLLM's speculative_config — {"method": "ngram", "num_speculative_tokens": 4, ...}, or that as JSON text (the
+    CLI's --speculative-config) — as EngineConfig settings; their values are checked by EngineConfig."""
+    if isinstance(speculative_config, str):
+        try:
+            speculative_config = json.loads(speculative_config)
+        except json.JSONDecodeError as e:
+            raise TinyVLLMError(f"speculative_config is not JSON ({e.msg} at character {e.pos}): give e.g. "
+                                '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+    if not isinstance(speculative_config, dict):
+        raise TinyVLLMError(f"speculative_config must be an object such as {{\"method\": \"ngram\"}}, got "
+                            f"{speculative_config!r}")
+    unknown = sorted(set(speculative_config) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise TinyVLLMError(f"speculative_config has unknown keys {unknown}; the keys are {list(SPECULATIVE_CONFIG_KEYS)}")
+    return {SPECULATIVE_CONFIG_KEYS[key]: value for key, value in speculative_config.items()}
 
 
 def layer_flops_per_token(cfg: LlamaConfig) -> int:
@@ -98,6 +120,10 @@ class EngineConfig:
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    @classmethod
+    def default(cls, name: str):
+        return next(f.default for f in fields(cls) if f.name == name)
+
     def step_tokens(self, device: str, cfg: LlamaConfig) -> int:
         """Rows of the model's step buffers: the step's token budget (the device's default unless asked).
         Not capped by the context window: a step holds many sequences' tokens, each within the window
@@ -114,3 +140,15 @@ class EngineConfig:
                        max_num_batched_tokens=step_tokens,
                        long_prefill_token_threshold=max(1, min(step_tokens, long_prefill)),
                        max_num_seqs=min(self.max_num_seqs, step_tokens))      # a decode step's rows are buffer rows
+
+
+def with_speculative_config(settings: dict, speculative_config: dict | str | None) -> dict:
+    """settings with vLLM's speculative_config folded in (speculative_settings); a setting given
+    both ways is a mistake, not a silent choice."""
+    if speculative_config is None:
+        return settings
+    speculative = speculative_settings(speculative_config)
+    both = sorted(name for name in speculative if settings.get(name) not in (None, EngineConfig.default(name)))
+    if both:
+        raise TinyVLLMError(f"{both} given both on their own and in speculative_config: give them once")
+    return {**settings, **speculative}

@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import fields
 
-from tinyvllm.engine.engine_config import EngineConfig
+from tinyvllm.engine.engine_config import EngineConfig, with_speculative_config
 from tinyvllm.errors import TinyVLLMError
 
 
@@ -35,7 +35,8 @@ FLAG_TYPES = {"int | None": _positive_int, "int": _positive_int, "float": float,
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """--the-name for every EngineConfig field, with its default and help text (engine_config.py says them)."""
+    """--the-name for every EngineConfig field, with its default and help text (engine_config.py says them), and
+    vLLM's --speculative-config."""
     for f in fields(EngineConfig):
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
         if f.type == "bool":
@@ -43,11 +44,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(flag, type=FLAG_TYPES[f.type], default=f.default, choices=meta["choices"],
                                 help=meta["help"])
+    parser.add_argument("--speculative-config", help="vLLM's form of the speculative flags, as JSON: "
+                                                     '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def engine_config(args) -> EngineConfig:
-    """The EngineConfig the command line asked for."""
-    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.names()})
+    """The EngineConfig the command line asked for (--speculative-config folded into the speculative flags)."""
+    settings = {name: getattr(args, name) for name in EngineConfig.names()}
+    return EngineConfig(**with_speculative_config(settings, args.speculative_config))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from tinyvllm.engine.engine import Engine
-from tinyvllm.engine.engine_config import EngineConfig
+from tinyvllm.engine.engine_config import EngineConfig, with_speculative_config
 from tinyvllm.engine.sampling import Logprob, SamplingParams
 from tinyvllm.engine.sequence import Sequence, Status
 from tinyvllm.errors import TinyVLLMError
@@ -57,15 +57,16 @@ class RequestOutput:
 class LLM:
     """llm.engine is the engine (scheduler, KV pool, step loop); llm.model the model it runs."""
 
-    def __init__(self, model: str = "default", **settings):
+    def __init__(self, model: str = "default", speculative_config: dict | None = None, **settings):
         """model: 'default', a synthetic preset or a HF model directory; settings: any EngineConfig field
         (device, max_model_len, num_blocks, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, enforce_eager, batch_invariant, long_prefill_token_threshold, speculative_method,
-        num_speculative_tokens, prompt_lookup_max, prompt_lookup_min), as in vLLM."""
+        num_speculative_tokens, prompt_lookup_max, prompt_lookup_min), as in vLLM; speculative_config: vLLM's
+        dict for the speculative ones, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
         unknown = sorted(set(settings) - set(EngineConfig.names()))
         if unknown:
             raise TinyVLLMError(f"LLM() got unknown settings {unknown}; the settings are {EngineConfig.names()[1:]}")
-        self._start(EngineConfig(model=model, **settings))
+        self._start(EngineConfig(model=model, **with_speculative_config(settings, speculative_config)))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
