@@ -274,6 +274,44 @@ def test_any_proposals_give_the_answer_of_plain_decoding(plain, speculating, rng
         assert stats.accepted == 0 and stats.mean_accepted_length == 1
 
 
+def test_the_gate_rests_a_sequence_whose_guesses_are_mostly_wrong():
+    from tinyvllm.engine.spec_decode import MIN_ACCEPTANCE, MIN_EVIDENCE, REST_STEPS, SpeculationGate
+    gate = SpeculationGate()
+    kept_enough = int(np.ceil(MIN_ACCEPTANCE * MIN_EVIDENCE))
+    gate.record(1, MIN_EVIDENCE, kept_enough)        # at the threshold: keeps proposing
+    gate.record(2, MIN_EVIDENCE - 1, 0)              # too little evidence yet
+    gate.record(3, MIN_EVIDENCE, kept_enough - 1)    # under it: rests
+    assert gate.allows(1) and gate.allows(2)
+    assert [gate.allows(3) for _ in range(REST_STEPS + 1)] == [False] * REST_STEPS + [True]
+    gate.record(3, 1, 0)                             # counts start afresh after the rest
+    assert gate.allows(3)
+    gate.forget(1)
+    assert gate.counts.keys() == {2, 3}
+
+
+@pytest.mark.parametrize("noise", [0.0, 1.0])
+def test_always_wrong_guesses_cost_few_verifications(plain, speculating, rng, noise):
+    """A proposer always right verifies at every step; one always wrong, after MIN_EVIDENCE proposed tokens,
+    rests REST_STEPS steps between tries: at most 2 verifications per REST_STEPS + 2 tokens, and the same answer."""
+    from tinyvllm.engine.spec_decode import MIN_EVIDENCE, REST_STEPS
+    prompts = random_prompts(rng, 1)
+    greedy = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    want = run(plain, prompts, [greedy])
+    speculating.engine.scheduler.proposer = ReplayProposer({tuple(prompts[0]): want[0][0]}, noise,
+                                                           int(rng.integers(2**31)))
+    speculating.engine.spec_stats = stats = SpecDecodeStats()
+    try:
+        got = run(speculating, prompts, [greedy])
+    finally:
+        speculating.engine.scheduler.proposer = NgramProposer(1, speculating.engine.config.prompt_lookup_max)
+    assert not differences(want, got)
+    tries = -(-MIN_EVIDENCE // K)   # verifications before the rate is trusted
+    if noise == 1:
+        assert stats.verifications <= tries * -(-80 // (REST_STEPS + tries)), stats
+    else:
+        assert stats.acceptance_rate == 1 and stats.verifications >= 80 // (K + 1), stats
+
+
 def test_a_stop_token_or_max_tokens_inside_an_accepted_run_ends_the_output_there(plain, speculating, rng):
     """Proposals all right, so a step accepts up to K tokens: the stop token (a token of the answer chosen
     at random) and max_tokens fall inside such runs, and nothing past them is emitted."""

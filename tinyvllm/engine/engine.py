@@ -181,7 +181,7 @@ class Engine:
         if plan.proposed:
             self.spec_stats.add(plan.proposed, len(tokens))
             if seq.status is Status.RUNNING:
-                self.scheduler.verified(seq, len(tokens) - 1)   # the kept proposals; the bonus token is the newest
+                self.scheduler.verified(seq, plan.proposed, len(tokens) - 1)   # kept: all but the bonus token
         return text
 
     def _token_text(self, token: int) -> str:

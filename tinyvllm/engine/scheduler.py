@@ -34,7 +34,7 @@ from tinyvllm.engine import block_manager
 from tinyvllm.engine.block_manager import plan_decode, plan_prefill, plan_verify
 from tinyvllm.engine.prefix_cache import PrefixCacheStats, PrefixCachingBlockManager
 from tinyvllm.engine.sequence import Sequence, Status
-from tinyvllm.engine.spec_decode import Proposer
+from tinyvllm.engine.spec_decode import Proposer, SpeculationGate
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model.step_plan import BLOCK_SIZE, StepPlan
 
@@ -69,6 +69,7 @@ class Scheduler:
         # the most tokens one prompt computes in a step (None: the whole budget, one prompt may fill a step)
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens   # chapter 10 (None: off)
+        self.gate = SpeculationGate()            # chapter 10: who proposes, by how often its guesses are kept
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order: the last one is the youngest
 
@@ -129,6 +130,8 @@ class Scheduler:
         for seq in list(step.decodes):
             if seq.params.structured_outputs is not None:
                 continue                               # its mask is for the next position only: no guesses
+            if not self.gate.allows(seq.seq_id):
+                continue                               # its guesses were mostly wrong: plain decoding for a while
             room = min(self.num_speculative_tokens, budget, seq.max_tokens - len(seq.output_ids) - 1)
             proposals = self.proposer.propose(seq, room)[:room] if room > 0 else []
             extra = self._extra_blocks(seq, proposals)
@@ -200,11 +203,12 @@ class Scheduler:
         for seq in step.prefills + filled:
             self.block_manager.cache_full_blocks(seq)
 
-    def verified(self, seq: Sequence, kept: int) -> None:
-        """Chapter 10: after a verification, `kept` of its proposals are the sequence's tokens now (appended), the
-        rest are not: the pool holds their K/V until truncate gives back the blocks only they used. Then,
-        with prefix caching, its blocks that filled with kept tokens become findable (never one with a
+    def verified(self, seq: Sequence, proposed: int, kept: int) -> None:
+        """Chapter 10: after a verification, `kept` of its `proposed` tokens are the sequence's tokens now
+        (appended), the rest are not: the pool holds their K/V until truncate gives back the blocks only they used.
+        Then, with prefix caching, its blocks that filled with kept tokens become findable (never one with a
         rejected token: those are past the sequence's length, and a block is named only once full)."""
+        self.gate.record(seq.seq_id, proposed, kept)
         seq.num_computed += kept
         self.block_manager.truncate(seq.seq_id, seq.num_computed)
         if self.prefix_caching:
@@ -212,6 +216,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """A finished (or aborted) sequence gives its slot and its blocks back at once."""
+        self.gate.forget(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.free(seq.seq_id)

@@ -48,6 +48,45 @@ class NgramProposer:
         return []
 
 
+# Never lose (chapter 10): a verification of k proposals costs more than a decode step (on a 2-core CPU, k = 4, about
+# 2.5 decode steps: speculation broke even at an acceptance of 0.38, bench/results/spec-decode-cpu-20261203-071701.json,
+# and gained 1.33x at 0.65). A sequence whose proposals are kept less often than this stops proposing for a while.
+MIN_ACCEPTANCE = 0.4
+MIN_EVIDENCE = 8     # proposed tokens before a sequence's rate is trusted
+REST_STEPS = 16      # decode steps without proposals before it tries again (the text may start repeating later)
+
+
+class SpeculationGate:
+    """Per sequence: its proposed and kept tokens since it last rested; a sequence under MIN_ACCEPTANCE after
+    MIN_EVIDENCE proposed tokens rests REST_STEPS steps (plain decoding), then starts counting afresh."""
+
+    def __init__(self):
+        self.counts: dict[int, tuple[int, int]] = {}   # seq_id -> (proposed, kept)
+        self.resting: dict[int, int] = {}              # seq_id -> decode steps left without proposals
+
+    def allows(self, seq_id: int) -> bool:
+        """Whether seq_id may propose this step; a resting sequence's step counts towards its rest."""
+        if seq_id not in self.resting:
+            return True
+        self.resting[seq_id] -= 1
+        if self.resting[seq_id] <= 0:
+            del self.resting[seq_id]
+        return False
+
+    def record(self, seq_id: int, proposed: int, kept: int) -> None:
+        total, accepted = self.counts.get(seq_id, (0, 0))
+        total, accepted = total + proposed, accepted + kept
+        if total >= MIN_EVIDENCE and accepted < MIN_ACCEPTANCE * total:
+            self.resting[seq_id] = REST_STEPS
+            self.counts.pop(seq_id, None)
+        else:
+            self.counts[seq_id] = (total, accepted)
+
+    def forget(self, seq_id: int) -> None:
+        self.counts.pop(seq_id, None)
+        self.resting.pop(seq_id, None)
+
+
 def make_proposer(config: EngineConfig) -> Proposer | None:
     """The proposer the settings ask for (speculative_method, checked by EngineConfig); None: speculation off."""
     if config.speculative_method is None:
