@@ -312,6 +312,30 @@ def test_always_wrong_guesses_cost_few_verifications(plain, speculating, rng, no
         assert stats.acceptance_rate == 1 and stats.verifications >= 80 // (K + 1), stats
 
 
+def test_metrics_export_what_speculation_did():
+    """vLLM's counters on /metrics, moved by the engine's cumulative counts: proposals, tokens, kept, per position."""
+    from tinyvllm.engine.core_messages import Stats
+    from tinyvllm.entrypoints.metrics import Metrics
+    stats, metrics = SpecDecodeStats(), Metrics("m")
+    for proposed, emitted in ((4, 5), (4, 1), (3, 3)):
+        stats.add(proposed, emitted)
+        metrics.engine_stats(Stats(spec_decode_num_drafts=stats.verifications,
+                                   spec_decode_num_draft_tokens=stats.proposed,
+                                   spec_decode_num_accepted_tokens=stats.accepted,
+                                   spec_decode_accepted_per_position=tuple(stats.accepted_per_position)))
+    text = metrics.render().decode()
+
+    def sample(name: str) -> float:
+        prefix = name if "{" in name else name + "{"   # a name with its labels, or summed over them
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+    assert (sample("vllm:spec_decode_num_drafts_total"), sample("vllm:spec_decode_num_draft_tokens_total"),
+            sample("vllm:spec_decode_num_accepted_tokens_total")) == (3, 11, 6)
+    assert stats.accepted_per_position == [2, 2, 1, 1]
+    for position, kept in enumerate(stats.accepted_per_position):
+        assert sample(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{position}"') \
+            == kept, position
+
+
 def test_a_stop_token_or_max_tokens_inside_an_accepted_run_ends_the_output_there(plain, speculating, rng):
     """Proposals all right, so a step accepts up to K tokens: the stop token (a token of the answer chosen
     at random) and max_tokens fall inside such runs, and nothing past them is emitted."""

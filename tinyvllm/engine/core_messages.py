@@ -53,6 +53,7 @@ class Stats:
     spec_decode_num_drafts: int = 0           # speculative decoding (chapter 10): verifications so far
     spec_decode_num_draft_tokens: int = 0     # tokens proposed
     spec_decode_num_accepted_tokens: int = 0  # of which kept
+    spec_decode_accepted_per_position: tuple[int, ...] = ()  # kept at each position of the proposals
 
 
 class Report(NamedTuple):

@@ -209,7 +209,8 @@ class EngineCore:
         scheduler, cache, spec = self.engine.scheduler, self.engine.scheduler.cache_stats, self.engine.spec_stats
         blocks = scheduler.block_manager
         return Stats(len(scheduler.running), len(scheduler.waiting), blocks.num_free, blocks.num_blocks,
-                     self.steps, cache.queries, cache.hits, spec.verifications, spec.proposed, spec.accepted)
+                     self.steps, cache.queries, cache.hits, spec.verifications, spec.proposed, spec.accepted,
+                     tuple(spec.accepted_per_position))
 
 
 FAILED_LINGER_MS = 30_000   # how long a failed engine waits for its API servers to take the reason why

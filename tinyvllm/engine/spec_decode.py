@@ -14,7 +14,7 @@ few tokens of the sequence are looked up in what came before, and what followed 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -100,6 +100,7 @@ class SpecDecodeStats:
     verifications: int = 0   # sequence-steps that verified proposals
     proposed: int = 0        # proposed tokens
     accepted: int = 0        # of which kept (the bonus token of each verification is not counted here)
+    accepted_per_position: list[int] = field(default_factory=list)   # [j]: proposals kept at position j (0 first)
 
     @property
     def acceptance_rate(self) -> float:
@@ -114,3 +115,6 @@ class SpecDecodeStats:
         self.verifications += 1
         self.proposed += proposed
         self.accepted += emitted - 1
+        self.accepted_per_position += [0] * (emitted - 1 - len(self.accepted_per_position))
+        for position in range(emitted - 1):   # kept proposals are a prefix: positions 0 .. emitted - 2
+            self.accepted_per_position[position] += 1

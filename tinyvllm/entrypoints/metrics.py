@@ -8,7 +8,8 @@ dashboard or an alert written for vLLM reads tinyvllm unchanged:
     tokens (decode steps), and the whole request;
   - work done: prompt and generated token counters (their rate is throughput);
   - the prefix cache: prompt tokens looked up and found (their ratio is the hit rate);
-  - speculative decoding (chapter 10): verifications, tokens proposed and accepted (acceptance rate).
+  - speculative decoding (chapter 10): verifications, tokens proposed and accepted (acceptance rate), and
+    accepted by position in the proposal.
 
 With several API-server processes (`serve --api-server-count N`), each counts its own requests into files
 of a shared folder (prometheus-client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR) and /metrics, whichever
@@ -59,6 +60,9 @@ class Metrics:
             counter("spec_decode_num_drafts", "Proposals verified (one per sequence and step)."),
             counter("spec_decode_num_draft_tokens", "Tokens proposed."),
             counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted."))
+        self.spec_per_position = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Proposed tokens accepted, by position in the proposal (0 first).",
+                                         ["model_name", "position"], registry=registry)
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
@@ -67,6 +71,7 @@ class Metrics:
         self.model_name = model_name
         self._seen = (0, 0)        # the engine's cumulative prefix-cache counts at the last report
         self._spec_seen = (0, 0, 0)  # and its speculative-decoding counts
+        self._spec_position_seen: tuple[int, ...] = ()
 
     def engine_stats(self, stats) -> None:
         """The engine's counts after a step (a core_messages.Stats): gauges set, counters moved on."""
@@ -82,6 +87,11 @@ class Metrics:
         for counter, now, before in zip(self.spec_counters, spec, self._spec_seen):
             counter.inc(now - before)
         self._spec_seen = spec
+        for position, now in enumerate(stats.spec_decode_accepted_per_position):
+            before = self._spec_position_seen[position] if position < len(self._spec_position_seen) else 0
+            if now > before:
+                self.spec_per_position.labels(self.model_name, str(position)).inc(now - before)
+        self._spec_position_seen = stats.spec_decode_accepted_per_position
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
