@@ -353,3 +353,17 @@ def test_the_default_model_follows_a_regex_and_json_object_mode(llm, seed):
     if cat.outputs[0].finish_reason == "stop":
         assert isinstance(json.loads(cat.text), dict)
     assert cat.text.startswith("{")
+
+
+@pytest.mark.parametrize("low", [0, 1, 2, 3])
+def test_an_unbounded_array_keeps_its_commas_from_any_minimum(low):
+    """minItems without maxItems: a loop whose every later round starts with the separator (the comma), whatever
+    the minimum; judged against the jsonschema library on arrays of 0 to 5 items, and a comma left out."""
+    from tinyvllm.engine.structured.json_schema import schema_tree
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 2}, "minItems": low}
+    dfa = compile_dfa(schema_tree(schema))
+    for n in range(6):
+        text = json.dumps(["ab"] * n, separators=(",", ":"))
+        valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+        assert dfa.matches(text.encode()) == valid, (low, text)
+    assert not dfa.matches(b'["a""b"]'), "two items without the comma between them"

@@ -65,12 +65,14 @@ def repeat(nfa: NFA, node: Repeat, entry: int, exit_: int) -> None:
     at = entry
     for i in range(node.low):
         at = then_item(nfa, node, at, separated=i > 0)
-    if node.high is None:                     # a loop: one more copy, re-entered through the separator
+    if node.high is None:                     # a loop: every round after the first item starts with the separator
         first, last = fragment(nfa, node.item)
-        back = then_separator(nfa, node, last)   # where the next round starts: after a separator, if any
-        nfa.epsilons[back].append(first)
-        nfa.epsilons[at] += [exit_, first if node.low == 0 else back]
-        nfa.epsilons[last].append(exit_)
+        round_start = first
+        if node.separator is not None:
+            round_start, separator_end = fragment(nfa, node.separator)
+            nfa.epsilons[separator_end].append(first)
+        nfa.epsilons[last] += [exit_, round_start]
+        nfa.epsilons[at] += [exit_, first if node.low == 0 else round_start]
         return
     for i in range(node.low, node.high):      # each optional copy may be the last
         nfa.epsilons[at].append(exit_)
