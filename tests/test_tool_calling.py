@@ -183,3 +183,21 @@ def test_a_bad_tool_request_is_a_400_naming_the_problem(server, client, extra, p
     assert words in error["message"], error
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", **{"messages": ASK, **extra})
+
+
+@pytest.mark.parametrize("extra, valid", [
+    ({"tools": TOOLS, "tool_choice": "required"}, True), ({"tool_choice": "auto"}, False),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, False),
+    ({"tools": TOOLS, "tool_choice": "auto", "response_format": {"type": "json_object"}}, True),
+    ({"messages": [{"role": "tool", "content": "21C"}]}, False),
+    ({"messages": [{"role": "tool", "content": "21C", "tool_call_id": "c"}]}, True),
+    ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]}, False),
+    ({"messages": [{"role": "user", "tool_calls": []}]}, False)])
+def test_the_published_schema_states_the_tool_rules(server, extra, valid):
+    """The rules between tool fields that JSON Schema can state are in /openapi.json, as strict as the server."""
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    request = {**schema["components"]["schemas"]["ChatRequest"], "components": schema["components"]}
+    body = {"messages": ASK, **extra}
+    assert jsonschema.Draft202012Validator(request).is_valid(body) == valid
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=30)
+    assert (r.status_code == 200) == valid, r.text

@@ -238,7 +238,11 @@ class ToolCallItem(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [   # _tool_fields_where_they_belong
+        {"if": {"properties": {"role": {"const": "tool"}}}, "then": is_set("tool_call_id"),
+         "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"properties": {"tool_calls": {"type": "null"}}}}]})
 
     role: Literal["system", "user", "assistant", "tool"]   # a fixed set: a role is never text the template pastes in
     content: Str | list[TextPart] | None = None
@@ -295,7 +299,11 @@ class NamedToolChoice(BaseModel):
 
 class ChatRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        needs("stream", True, is_set("stream_options")), needs("logprobs", True, is_set("top_logprobs", {"minimum": 1}))]})
+        needs("stream", True, is_set("stream_options")), needs("logprobs", True, is_set("top_logprobs", {"minimum": 1})),
+        {"if": is_set("tool_choice", {"not": {"const": "none"}}), "then": is_set("tools", {"minItems": 1})},
+        {"if": is_set("tool_choice", {"not": {"enum": ["none", "auto"]}}), "then": {"properties": {
+            "response_format": {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]},
+            "structured_outputs": {"type": "null"}}}}]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int(ge=1) | None = None  # the newer name for max_tokens
     logprobs: Annotated[bool, Field(strict=True)] = False
