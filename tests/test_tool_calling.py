@@ -13,6 +13,7 @@ import pytest
 
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.entrypoints import tools
+from tinyvllm.entrypoints.responses import HeldCalls
 from tinyvllm.entrypoints.server import Server
 from tinyvllm.entrypoints.tool_parsers import ToolCall, parse
 from tinyvllm.formats.tokenizer import load_tokenizer
@@ -67,6 +68,20 @@ def test_a_call_goes_out_in_openais_shape():
     assert ToolCall("f", {}).openai()["id"] != out["id"]
 
 
+@pytest.mark.parametrize("format_, pieces, sent, content, calls", [
+    ("hermes", ["Sure <tool", "_call>{\"name\": \"f\", ", "\"arguments\": {}}</tool_call>"], "Sure ", None,
+     [ToolCall("f", {})]),
+    ("hermes", ["a <to", "y> b"], "a <toy> b", "", []),            # a tail that looked like a tag, then was not
+    ("llama3_json", ["{\"name\": \"f\", ", "\"parameters\": {}}"], "", None, [ToolCall("f", {})]),
+    ("llama3_json", ["{\"answer\": ", "4}"], "", "{\"answer\": 4}", []),   # JSON, but no call: text at the end
+    ("llama3_json", ["It is ", "{4}"], "It is {4}", "", []),
+])
+def test_streaming_holds_back_what_may_be_a_call(format_, pieces, sent, content, calls):
+    held = HeldCalls(format_)
+    assert "".join(held.feed(p) for p in pieces) == sent
+    assert held.finish() == (content, calls)
+
+
 # ---- the prompt ----
 
 def test_tools_reach_a_template_that_cannot_take_them_as_a_system_message(tiny_model_dir):
@@ -80,6 +95,15 @@ def test_tools_reach_a_template_that_cannot_take_them_as_a_system_message(tiny_m
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<|im_start|>tool\nsunny, 21C" in text
     assert "get_time" not in tokenizer.decode(tools.render_prompt(tokenizer, ASK, TOOLS, "none", True))
+
+
+def test_a_llama3_template_without_tools_gets_metas_words(tiny_llama_dir):
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Rome"}'}}]}]
+    text = tokenizer.decode(tools.render_prompt(tokenizer, turns, TOOLS, "required", True))
+    assert "Given the following functions" in text and '"name": "get_time"' in text
+    assert '{"name": "get_weather", "parameters": {"city": "Rome"}}' in text
 
 
 def test_a_template_that_takes_tools_gets_them_and_no_special_token_through_them(tiny_llama_dir):

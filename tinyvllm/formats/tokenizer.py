@@ -141,12 +141,7 @@ class Tokenizer:
     @property
     def template_takes_tools(self) -> bool:
         """Whether the chat template reads `tools` (HF's convention for function tools), so it can be given them."""
-        if self.chat_template is None:
-            return False
-        try:
-            return "tools" in jinja2.meta.find_undeclared_variables(_compile_env().parse(self.chat_template))
-        except jinja2.TemplateSyntaxError:
-            return False  # render_chat reports the syntax error itself
+        return self.chat_template is not None and _reads_tools(self.chat_template)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> str:
@@ -219,6 +214,14 @@ class IncrementalDecoder:
 
 def _compile_env() -> ImmutableSandboxedEnvironment:
     return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+
+@lru_cache(maxsize=8)
+def _reads_tools(source: str) -> bool:
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(_compile_env().parse(source))
+    except jinja2.TemplateSyntaxError:
+        return False  # render_chat reports the syntax error itself
 
 
 @lru_cache(maxsize=8)
