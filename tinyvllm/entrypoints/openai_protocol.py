@@ -5,7 +5,9 @@ generators see them). Every field is either honoured with vLLM's semantics or re
 names it: types are strict (a number is not a string), unknown fields are refused, and the OpenAI fields
 tinyvllm does not build (logit_bias, audio, ...) are refused when set (chat's tools are built: tools.py).
 The schema says all of it, rules between fields included, except what depends on the model (the
-vocabulary, the context window) and best_of == n, which JSON Schema cannot state. Responses are plain dicts in OpenAI's shapes
+vocabulary, the context window) and what JSON Schema cannot state: best_of == n, a named tool_choice's name
+among the tools', tools' names all different, a tool call's arguments as JSON text of an object, and which
+tool parameter schemas the compiler can enforce. Responses are plain dicts in OpenAI's shapes
 (`text_completion`, `chat.completion`, their streaming `.chunk`s, usage, logprobs, errors); ApiError refuses
 a request with one of those errors from anywhere on the API side.
 """
