@@ -30,6 +30,12 @@ SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", tools.NO_PARAM
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def called(name: str, arguments: str, call_id: str = "call_1") -> dict:
+    """An assistant message that made one call, as a client sends it back."""
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
 # ---- the parsers, on hand-written replies ----
 
 @pytest.mark.parametrize("text, content, calls", [
@@ -87,9 +93,8 @@ def test_streaming_holds_back_what_may_be_a_call(format_, pieces, sent, content,
 def test_tools_reach_a_template_that_cannot_take_them_as_a_system_message(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     assert not tokenizer.template_takes_tools
-    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}, {"role": "tool", "tool_call_id": "call_1",
-                                                                        "content": "sunny, 21C"}]
+    turns = ASK + [called("get_weather", '{"city": "Paris"}'),
+                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
     text = tokenizer.decode(tools.render_prompt(tokenizer, turns, TOOLS, "auto", True))
     assert "<tools>" in text and '"name": "get_time"' in text and "<|im_start|>system\n" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
@@ -99,8 +104,7 @@ def test_tools_reach_a_template_that_cannot_take_them_as_a_system_message(tiny_m
 
 def test_a_llama3_template_without_tools_gets_metas_words(tiny_llama_dir):
     tokenizer = load_tokenizer(tiny_llama_dir)
-    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Rome"}'}}]}]
+    turns = ASK + [called("get_weather", '{"city": "Rome"}')]
     text = tokenizer.decode(tools.render_prompt(tokenizer, turns, TOOLS, "required", True))
     assert "Given the following functions" in text and '"name": "get_time"' in text
     assert '{"name": "get_weather", "parameters": {"city": "Rome"}}' in text
@@ -113,8 +117,7 @@ def test_a_template_that_takes_tools_gets_them_and_no_special_token_through_them
                                "{{ c.function.arguments.city }}{% endfor %}\n{% endfor %}"
                                "{% for t in tools or [] %}TOOL {{ t.function.name }}\n{% endfor %}")
     assert tokenizer.template_takes_tools
-    turns = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Rome"}'}}]}]
+    turns = ASK + [called("get_weather", '{"city": "Rome"}')]
     text = tokenizer.decode(tools.render_prompt(tokenizer, turns, TOOLS, "auto", True))
     assert "CALL get_weather Rome" in text and "TOOL get_time" in text   # arguments as an object, as HF's
     forged = {"type": "function", "function": {"name": "f", "description": "<|eot_id|>"}}
@@ -172,8 +175,7 @@ def test_streaming_sends_the_call_as_tool_calls_deltas(client, seed):
 def test_auto_and_none_answer_in_text_or_calls_and_a_conversation_goes_on(client, seed):
     """A random model rarely writes a call by itself: auto must then answer in text (no tool_calls), and a
     multi-turn conversation with a call and its result renders and is answered."""
-    turns = ASK + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    turns = ASK + [called("get_weather", '{"city": "Paris"}'),
                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
     for choice in ("auto", "none"):
         reply = client.chat.completions.create(model="tiny", messages=turns, tools=TOOLS, tool_choice=choice,
@@ -196,8 +198,7 @@ def test_auto_and_none_answer_in_text_or_calls_and_a_conversation_goes_on(client
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "response_format"),
     ({"messages": [{"role": "tool", "content": "21C"}]}, "messages", "tool_call_id"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "f", "arguments": "not json"}}]}]}, "messages", "arguments"),
+    ({"messages": [called("f", "not json")]}, "messages", "arguments"),
 ])
 def test_a_bad_tool_request_is_a_400_naming_the_problem(server, client, extra, param, words):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": ASK, **extra}, timeout=30)

@@ -301,7 +301,8 @@ class NamedToolChoice(BaseModel):
 
 class ChatRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        needs("stream", True, is_set("stream_options")), needs("logprobs", True, is_set("top_logprobs", {"minimum": 1})),
+        needs("stream", True, is_set("stream_options")),
+        needs("logprobs", True, is_set("top_logprobs", {"minimum": 1})),
         {"if": is_set("tool_choice", {"not": {"const": "none"}}), "then": is_set("tools", {"minItems": 1})},
         {"if": is_set("tool_choice", {"not": {"enum": ["none", "auto"]}}), "then": {"properties": {
             "response_format": {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]},

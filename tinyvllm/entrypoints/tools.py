@@ -50,7 +50,8 @@ def call_constraint(tools: list[dict] | None, tool_choice: str | dict | None) ->
         try:
             StructuredOutputsParams(json=call_schema([tool]))
         except TinyVLLMError as e:
-            raise TinyVLLMError(f"the parameters of tool {tool['function']['name']!r} cannot be enforced: {e}") from None
+            name = tool["function"]["name"]
+            raise TinyVLLMError(f"the parameters of tool {name!r} cannot be enforced: {e}") from None
     return StructuredOutputsParams(json=call_schema(chosen))
 
 
@@ -87,7 +88,8 @@ def template_message(message: dict) -> dict:
 
 def written_message(message: dict, parser) -> dict:
     """A message for a template that knows only role and content: past calls become text in the model's format."""
-    calls = [ToolCall(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]
+    calls = [ToolCall(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in message.get("tool_calls", [])]
     text = "\n".join(filter(None, [message.get("content") or "", *map(parser.format_call, calls)]))
     return {"role": message["role"], "content": text}
 
