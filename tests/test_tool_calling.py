@@ -226,3 +226,14 @@ def test_the_published_schema_states_the_tool_rules(server, extra, valid):
     assert jsonschema.Draft202012Validator(request).is_valid(body) == valid
     r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=30)
     assert (r.status_code == 200) == valid, r.text
+
+
+def test_a_call_sent_back_as_the_client_returned_it_continues_the_conversation(client, seed):
+    """The usual loop: call, run the tool, append the assistant message object and the result, ask again."""
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=200)
+    message = reply.choices[0].message
+    turns = ASK + [message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny, 21C"}]
+    again = client.chat.completions.create(model="tiny", messages=turns, tools=TOOLS, tool_choice="none",
+                                           temperature=1.0, seed=seed, max_tokens=4)
+    assert again.choices[0].finish_reason == "length" and again.choices[0].message.tool_calls is None
