@@ -1,7 +1,7 @@
 """Chapter 11: tool calls in a model's reply -> OpenAI's tool_calls, one module per format:
 
     llama3_json  Llama 3's JSON: {"name": ..., "parameters": {...}}, maybe after <|python_tag|>
-    hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call> (SmolLM2, Qwen, Hermes)
+    hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen; tinyvllm's choice for SmolLM2)
 
 Each module has parse(text) -> (content or None, calls), content_end(text) (how much of a growing reply is
 surely content: streaming holds back the rest), format_call(call) and instructions(tools) (a past call and

@@ -1,7 +1,7 @@
-"""Hermes-style tool calls, as SmolLM2's, Qwen's and Hermes' instruct data write them:
-<tool_call>{"name": ..., "arguments": {...}}</tool_call>, after text or not, one tag per call. SmolLM2-135M's
-own template says nothing of tools, so this is tinyvllm's choice for it: the system prompt below lists the
-tools in <tools></tools> and asks for this format."""
+"""Hermes-style tool calls, as Hermes and Qwen 2.5 write them (vLLM's "hermes" parser):
+<tool_call>{"name": ..., "arguments": {...}}</tool_call>, after text or not, one tag per call. The chat template
+shipped with SmolLM2-135M-Instruct says nothing of tools, so this format is tinyvllm's choice for it (and for any
+model without <|python_tag|>): the system prompt below lists the tools in <tools></tools> and asks for it."""
 from __future__ import annotations
 
 import json
