@@ -3,23 +3,27 @@
 Requests are pydantic models that FastAPI publishes in /openapi.json (so schema-driven fuzzers and client
 generators see them). Every field is either honoured with vLLM's semantics or refused with a 400 that
 names it: types are strict (a number is not a string), unknown fields are refused, and the OpenAI fields
-tinyvllm does not build (tools, logit_bias, ...) are refused when set. The schema says all of it,
-rules between fields included, except what depends on the model (the vocabulary, the context window) and
-best_of == n, which JSON Schema cannot state. Responses are plain dicts in OpenAI's shapes
+tinyvllm does not build (logit_bias, audio, ...) are refused when set (chat's tools are built: tools.py).
+The schema says all of it, rules between fields included, except what depends on the model (the
+vocabulary, the context window) and what JSON Schema cannot state: best_of == n, a named tool_choice's name
+among the tools', tools' names all different, a tool call's arguments as JSON text of an object, and which
+tool parameter schemas the compiler can enforce. Responses are plain dicts in OpenAI's shapes
 (`text_completion`, `chat.completion`, their streaming `.chunk`s, usage, logprobs, errors); ApiError refuses
 a request with one of those errors from anywhere on the API side.
 """
 from __future__ import annotations
 
 import codecs
-
+import json
 import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tinyvllm.engine.sampling import MAX_LOGPROBS, MAX_N, MIN_REPETITION_PENALTY, SamplingParams
+from tinyvllm.engine.structured.params import StructuredOutputsParams
+from tinyvllm.entrypoints import tools as tool_request
 from tinyvllm.entrypoints.structured_request import (RESPONSE_FORMAT_SCHEMA, STRUCTURED_OUTPUTS_SCHEMA,
                                                      from_response_format, from_structured_outputs, structured_params)
 from tinyvllm.errors import TinyVLLMError
@@ -43,18 +47,26 @@ Str = Annotated[str, Field(strict=True)]
 Int64 = Int(ge=-2 ** 63, le=2 ** 63 - 1)   # seeds: any int64, as vLLM
 TokenId = Int(ge=0)
 Text = Annotated[str, Field(strict=True, min_length=1)]   # a prompt: empty text has no token to start from
+MAX_TOOLS = 128   # OpenAI's limit on a request's tools
 
 # OpenAI fields tinyvllm does not build: accepted only at the value that means "not used".
-NOT_BUILT = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+NOT_BUILT = {"functions": (None, []), "function_call": (None, "none"),
              "parallel_tool_calls": (None,), "logit_bias": (None, {}),
              "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
              "web_search_options": (None,), "reasoning_effort": (None,), "store": (None, False),
              "metadata": (None,), "service_tier": (None, "auto", "default")}
+NO_TOOLS = {"tools": (None, []), "tool_choice": (None, "none")}   # the completions API's: chat honours them (tools.py)
 
 
-def not_built(name: str):
+def not_built(name: str, fields: dict = NOT_BUILT):
     """A NOT_BUILT field: typed loosely (so the 400 names it), its "not used" values published as the schema's enum."""
-    return Field(default=None, json_schema_extra={"enum": list(NOT_BUILT[name])})
+    return Field(default=None, json_schema_extra={"enum": list(fields[name])})
+
+
+def refuse_unless_unused(value, name: str, fields: dict):
+    if value not in fields[name]:
+        raise ValueError(f"{name} is not supported by tinyvllm; leave it out")
+    return value
 
 
 def needs(field: str, value, when: dict) -> dict:
@@ -93,8 +105,6 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: Str | None = None                         # an end-user id: written to the access log only
     # refused unless at their "not used" value (NOT_BUILT); typed loosely so the 400 names the field
-    tools: list | None = not_built("tools")
-    tool_choice: str | dict | None = not_built("tool_choice")
     functions: list | None = not_built("functions")
     function_call: str | dict | None = not_built("function_call")
     parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = not_built("parallel_tool_calls")
@@ -113,9 +123,7 @@ class _Request(BaseModel):
     @field_validator(*NOT_BUILT)
     @classmethod
     def _refuse_what_is_not_built(cls, value, info: ValidationInfo):
-        if value not in NOT_BUILT[info.field_name]:
-            raise ValueError(f"{info.field_name} is not supported by tinyvllm; leave it out")
-        return value
+        return refuse_unless_unused(value, info.field_name, NOT_BUILT)
 
     @field_validator("response_format", "structured_outputs")
     @classmethod
@@ -146,7 +154,11 @@ class _Request(BaseModel):
         return SamplingParams(**{k: v for k, v in given.items() if v is not None}, seed=self.seed, n=self.n,
                               max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, logprobs=logprobs,
-                              structured_outputs=structured_params(self.response_format, self.structured_outputs))
+                              structured_outputs=self.constraint())
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's constraint on the output, or None (free text)."""
+        return structured_params(self.response_format, self.structured_outputs)
 
     @property
     def include_usage(self) -> bool:
@@ -164,6 +176,13 @@ class CompletionRequest(_Request):
     echo: Annotated[bool, Field(strict=True)] = False          # the prompt's text before the completion
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None   # top k per token, + the sampled one
     best_of: Int(ge=1) | None = None
+    tools: list | None = not_built("tools", NO_TOOLS)
+    tool_choice: str | dict | None = not_built("tool_choice", NO_TOOLS)
+
+    @field_validator(*NO_TOOLS)
+    @classmethod
+    def _no_tools(cls, value, info: ValidationInfo):
+        return refuse_unless_unused(value, info.field_name, NO_TOOLS)
 
     @field_validator("logprobs")
     @classmethod
@@ -196,26 +215,135 @@ class TextPart(BaseModel):
     text: Str
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    name: Str
+    arguments: Str   # JSON text of an object, as OpenAI sends it
 
-    role: Literal["system", "user", "assistant"]   # a fixed set: a role is never text the template pastes in
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, value):
+        try:
+            if isinstance(json.loads(value), dict):
+                return value
+        except json.JSONDecodeError:
+            pass
+        raise ValueError(f"arguments must be the JSON text of an object, got {value!r:.60}")
+
+
+class ToolCallItem(BaseModel):
+    """A call the assistant made, sent back in the conversation."""
+    model_config = ConfigDict(extra="forbid")
+    id: Str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [   # _tool_fields_where_they_belong
+        {"if": {"properties": {"role": {"const": "tool"}}}, "then": is_set("tool_call_id"),
+         "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"properties": {"tool_calls": {"type": "null"}}}}]})
+
+    role: Literal["system", "user", "assistant", "tool"]   # a fixed set: a role is never text the template pastes in
     content: Str | list[TextPart] | None = None
+    tool_calls: list[ToolCallItem] | None = None   # an assistant's calls
+    tool_call_id: Str | None = None                # a tool's result: which call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields_where_they_belong(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def as_dict(self) -> dict:
+        """The message as templates read it: content as text (None for an assistant's calls without text)."""
+        out = {"role": self.role, "content": None if self.tool_calls and not self.content else self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_-]{1,64}$")]   # OpenAI's rule for names
+    description: Str | None = None
+    parameters: dict | None = None   # a JSON schema; None: no parameters
+    strict: Annotated[bool, Field(strict=True)] | None = None   # calls are always held to the schema when constrained
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionTool
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
 
 class ChatRequest(_Request):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        needs("stream", True, is_set("stream_options")), needs("logprobs", True, is_set("top_logprobs", {"minimum": 1}))]})
+        needs("stream", True, is_set("stream_options")),
+        needs("logprobs", True, is_set("top_logprobs", {"minimum": 1})),
+        {"if": is_set("tool_choice", {"not": {"const": "none"}}), "then": is_set("tools", {"minItems": 1})},
+        {"if": is_set("tool_choice", {"not": {"enum": ["none", "auto"]}}), "then": {"properties": {
+            "response_format": {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]},
+            "structured_outputs": {"type": "null"}}}}]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int(ge=1) | None = None  # the newer name for max_tokens
     logprobs: Annotated[bool, Field(strict=True)] = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: Annotated[bool, Field(strict=True)] = True   # vLLM's extra field
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # tools.py says what each does
+
+    @field_validator("tools")
+    @classmethod
+    def _names_differ(cls, value):
+        names = [tool.function.name for tool in value or []]
+        repeated = next((name for name in names if names.count(name) > 1), None)
+        if repeated is not None:
+            raise ValueError(f"two tools are named {repeated!r}; give each its own name")
+        return value
+
+    @field_validator("tool_choice")   # fields are checked in order: tools and response_format are known here
+    @classmethod
+    def _tool_choice_fits_the_tools(cls, value, info: ValidationInfo):
+        tools = info.data.get("tools")
+        names = [tool.function.name for tool in tools or []]
+        if value not in (None, "none") and not names:
+            raise ValueError("tool_choice other than \"none\" needs tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"tool_choice names the function {value.function.name!r}, which is not in tools "
+                             f"({', '.join(names)})")
+        if value in ("none", "auto", None):
+            return value
+        if info.data.get("response_format") not in (None, {"type": "text"}) or info.data.get("structured_outputs"):
+            raise ValueError("tool_choice \"required\" or a named function constrains the reply itself; drop "
+                             "response_format or structured_outputs")
+        try:   # the tools' schemas, parsed now: one the compiler cannot enforce is a 400 naming the tool
+            tool_request.call_constraint([t.model_dump(exclude_none=True) for t in tools], dump(value))
+        except TinyVLLMError as e:
+            raise ValueError(str(e)) from None
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -225,7 +353,18 @@ class ChatRequest(_Request):
         return value
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def tool_choice_value(self) -> str | dict | None:
+        return dump(self.tool_choice)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        return tool_request.call_constraint(self.tool_dicts, self.tool_choice_value) or super().constraint()
 
     @property
     def reply_tokens(self) -> int | None:
@@ -234,6 +373,11 @@ class ChatRequest(_Request):
     @property
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def dump(value):
+    """A pydantic model as its JSON value; anything else as it is."""
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 # ---- responses ----
@@ -251,9 +395,12 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_delta_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:

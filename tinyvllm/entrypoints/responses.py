@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from tinyvllm.entrypoints import openai_protocol as api
+from tinyvllm.entrypoints import tool_parsers, tools
 from tinyvllm.entrypoints.async_engine import SHUTTING_DOWN, AsyncEngine, RequestState
 from tinyvllm.formats.tokenizer import Tokenizer
 
@@ -31,6 +32,9 @@ class Reply:
         self.echo = [tokenizer.decode(c.prompt_ids) if getattr(body, "echo", False) else "" for c in choices]
         self.offsets = [len(e) for e in self.echo]   # where each choice's next text starts (completion logprobs)
         self.text_events = [self._text_event(c.index) for c in choices]
+        # with tools, the reply is parsed for calls in this format (None: plain text)
+        self.tool_format = tools.reply_format(tokenizer, body.tool_dicts, body.tool_choice_value) if chat else None
+        self.held = [HeldCalls(self.tool_format) for _ in choices] if self.tool_format and body.stream else None
 
     def usage(self) -> dict:
         prompts = {id(c.prompt_ids): len(c.prompt_ids) for c in self.choices}   # n choices share one prompt
@@ -50,16 +54,28 @@ class Reply:
         for c in self.choices:
             text = c.final_text()
             logprobs = self.logprobs(c, text, c.token_ids, c.logprobs)
-            make = api.chat_choice if self.chat else api.completion_choice
-            choices.append(make(c.index, self.echo[c.index] + text, logprobs, c.finish_reason))
+            if self.chat:
+                choices.append(self._chat_choice(c, text, logprobs))
+            else:
+                choices.append(api.completion_choice(c.index, self.echo[c.index] + text, logprobs, c.finish_reason))
         return api.response(self.request_id, self.object, self.model, choices, self.usage(), self.created)
+
+    def _chat_choice(self, choice: RequestState, text: str, logprobs: dict | None) -> dict:
+        if self.tool_format is None:
+            return api.chat_choice(choice.index, text, logprobs, choice.finish_reason)
+        content, calls = tool_parsers.parse(text, self.tool_format)
+        return api.chat_choice(choice.index, content, logprobs, "tool_calls" if calls else choice.finish_reason,
+                               [call.openai() for call in calls])
 
     def _chunk_data(self, index: int, text: str | None, logprobs: dict | None, finish_reason: str | None) -> dict:
         if self.chat:
-            delta = {} if text is None else {"content": text}
-            data = api.chat_delta_choice(index, delta, logprobs, finish_reason)
-        else:
-            data = api.completion_choice(index, text or "", logprobs, finish_reason)
+            return self._delta_data(index, {} if text is None else {"content": text}, logprobs, finish_reason)
+        data = api.completion_choice(index, text or "", logprobs, finish_reason)
+        out = api.response(self.request_id, self.chunk_object, self.model, [data], created=self.created)
+        return {**out, "usage": None} if self.body.include_usage else out
+
+    def _delta_data(self, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+        data = api.chat_delta_choice(index, delta, logprobs, finish_reason)
         out = api.response(self.request_id, self.chunk_object, self.model, [data], created=self.created)
         return {**out, "usage": None} if self.body.include_usage else out
 
@@ -76,6 +92,23 @@ class Reply:
         logprobs = self.logprobs(choice, text or "", ids, entries)
         return event(self._chunk_data(choice.index, text, logprobs, finish_reason))
 
+    def streamed_text(self, choice: RequestState, text: str) -> str:
+        """The part of new text to send now: with tools, what may be a call waits for the end (HeldCalls)."""
+        return text if self.held is None else self.held[choice.index].feed(text)
+
+    def last_chunks(self, choice: RequestState) -> str:
+        """A finished choice's last events: with tools, the held text as content and calls, then the finish."""
+        out, reason = "", choice.finish_reason
+        if self.held is not None:
+            content, calls = self.held[choice.index].finish()
+            if content:
+                out += self.chunk(choice, content, [], None, None)
+            if calls:
+                delta = {"tool_calls": [{"index": i, **call.openai()} for i, call in enumerate(calls)]}
+                out += event(self._delta_data(choice.index, delta, None, None))
+                reason = "tool_calls"
+        return out + self.chunk(choice, None, [], None, reason)
+
     def first_chunks(self) -> str:
         if self.chat:   # the first chat chunk of each choice names the role
             return "".join(event(api.response(self.request_id, self.chunk_object, self.model,
@@ -87,6 +120,24 @@ class Reply:
     def usage_chunk(self) -> str:
         return event({**api.response(self.request_id, self.chunk_object, self.model, [], created=self.created),
                       "usage": self.usage()})
+
+
+class HeldCalls:
+    """One streaming choice's text, held back from where a tool call may begin until the choice ends; then the
+    rest is parsed whole and its calls sent in one tool_calls delta, arguments complete. (vLLM streams the
+    arguments as they are generated; one delta at the end is as valid for OpenAI's clients, which join the
+    deltas, and cannot send a call that later turns out not to be one.)"""
+    def __init__(self, format_: str):
+        self.parser, self.text, self.sent = tool_parsers.PARSERS[format_], "", 0
+
+    def feed(self, text: str) -> str:
+        self.text += text
+        end = max(self.sent, self.parser.content_end(self.text))
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[str | None, list[tool_parsers.ToolCall]]:
+        return self.parser.parse(self.text[self.sent:])
 
 
 TEXT = "\x00text\x00"   # a placeholder no JSON dump leaves unescaped
@@ -129,10 +180,11 @@ async def stream_events(engine: AsyncEngine, reply: Reply) -> AsyncIterator[str]
                     error = api.error(message, "server_error")
                     yield "".join(events) + event(error) + "data: [DONE]\n\n"
                     return
+                text = reply.streamed_text(choice, text)
                 if text or entries:   # a stop token alone is no text: nothing to send but the finish
                     events.append(reply.chunk(choice, text, ids, entries, None))
                 if choice.finished:
-                    events.append(reply.chunk(choice, None, [], None, choice.finish_reason))
+                    events.append(reply.last_chunks(choice))
                     open_.remove(choice)
             if not open_:
                 events += [reply.usage_chunk()] if reply.body.include_usage else []

@@ -44,7 +44,7 @@ from tinyvllm.engine import sequence
 from tinyvllm.engine.core_client import Attachment
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.sampling import SamplingParams
-from tinyvllm.entrypoints import live
+from tinyvllm.entrypoints import live, tools
 from tinyvllm.entrypoints import openai_protocol as api
 from tinyvllm.entrypoints.async_engine import SHUTTING_DOWN, AsyncEngine, RequestState
 from tinyvllm.entrypoints.middleware import (MAX_BODY_BYTES, AccessLog, ApiKeyCheck, BodyLimit, LocalHostOnly,
@@ -191,7 +191,8 @@ def add_generate_routes(app: FastAPI, engine: AsyncEngine, model_name: str) -> N
               dependencies=[Depends(json_only)])
     async def chat_completions(body: api.ChatRequest, request: Request):
         try:   # the template may refuse the conversation (raise_exception), or fail on it: one line, 400
-            prompt = tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
+            prompt = tools.render_prompt(tokenizer, body.conversation(), body.tool_dicts, body.tool_choice_value,
+                                         body.add_generation_prompt)
         except TinyVLLMError as e:
             raise ApiError(400, str(e), param="messages") from None
         return await generate(engine, model_name, request, body, [prompt], body.reply_tokens, body.engine_logprobs,

@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 import regex
 import tiktoken
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -137,14 +138,20 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text the chat template makes of a conversation."""
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads `tools` (HF's convention for function tools), so it can be given them."""
+        return self.chat_template is not None and _reads_tools(self.chat_template)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The prompt text the chat template makes of a conversation (and of the tools it may call)."""
         if self.chat_template is None:
             raise TinyVLLMError("this tokenizer has no chat template; put a chat_template.jinja file "
                                 "in the model directory or set chat_template in tokenizer_config.json")
         try:
             return _compile_template(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateSyntaxError as e:  # str(e) spans lines: the message and line number are enough
             raise TinyVLLMError(f"the chat template has a syntax error at line {e.lineno}: {e.message}; "
@@ -156,12 +163,14 @@ class Tokenizer:
             raise TinyVLLMError(f"the chat template failed ({type(e).__name__}: {detail}); fix chat_template.jinja "
                                 "or chat_template in tokenizer_config.json") from e  # --debug: where it failed
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt ids for a conversation, where only the template can produce special tokens."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids for a conversation, where only the template can produce special tokens (the caller keeps
+        them out of `tools` and of other message fields than content: those are pasted in as they are)."""
         marked = [{**m, "content": f"\u3000\ue000{i}\ue001\u3000"} if isinstance(m.get("content"), str) else m
                   for i, m in enumerate(messages)]
         # split() yields [template, left pad, index, right pad, template, ...]
-        parts = _CONTENT_MARKER.split(self.render_chat(marked, add_generation_prompt))
+        parts = _CONTENT_MARKER.split(self.render_chat(marked, add_generation_prompt, tools))
         ids: list[int] = []
         text = ""  # plain text is encoded in runs, as HF encodes the text between special tokens
         for k in range(0, len(parts), 4):
@@ -203,6 +212,18 @@ class IncrementalDecoder:
         return self._utf8.decode(b"", final=True)
 
 
+def _compile_env() -> ImmutableSandboxedEnvironment:
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+
+@lru_cache(maxsize=8)
+def _reads_tools(source: str) -> bool:
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(_compile_env().parse(source))
+    except jinja2.TemplateSyntaxError:
+        return False  # render_chat reports the syntax error itself
+
+
 @lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
     """Compile a chat template in the same sandbox and with the same helpers as HF transformers."""
@@ -212,7 +233,7 @@ def _compile_template(source: str) -> jinja2.Template:
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _compile_env()
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
