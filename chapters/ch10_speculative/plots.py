@@ -139,6 +139,31 @@ def draw_tokens_per_verification(runs: dict) -> Figure:
     return fig
 
 
+def draw_rejection_check(p: np.ndarray, q: np.ndarray, rules: dict, draws: int = 20_000, seed: int = 10) -> Figure:
+    """The target p, the draft q, and the frequencies of the tokens each rule emitted over `draws` positions
+    (speculative.draw_many), with each rule's chi-square p-value against p in the legend."""
+    from chapters.ch10_speculative.speculative import chi_square_p_value, draw_many
+    fig = Figure(figsize=(8, 3.4))
+    ax = fig.subplots()
+    x = np.arange(len(p))
+    bars = 2 + len(rules)
+    width = 0.85 / bars
+    ax.bar(x - 0.425 + width / 2, p, width, color="black", label="target p")
+    ax.bar(x - 0.425 + 1.5 * width, q, width, color="#BBBBBB", label="draft q")
+    for i, (name, rule) in enumerate(rules.items()):
+        counts, kept = draw_many(rule, p, q, draws, seed)
+        ax.bar(x - 0.425 + (2.5 + i) * width, counts / draws, width,
+               label=f"{name}: chi-square p = {chi_square_p_value(counts, p):.2g}, kept {kept / draws:.0%}")
+    ax.set_xticks(x)
+    ax.set_xlabel("token")
+    ax.set_ylabel("probability / frequency")
+    ax.set_title(f"{draws:,} positions: the emitted tokens against p (sum(min(p, q)) = {np.minimum(p, q).sum():.0%})",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = {
     "ch10_measured.png": draw_measured,
     "ch10_when_speculation_pays.png": draw_when_speculation_pays,
