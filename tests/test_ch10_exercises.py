@@ -24,7 +24,6 @@ from tinyvllm import LLM
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model import sampler
-from tinyvllm.model.step_plan import BLOCK_SIZE
 
 # ---------- 10.1 propose_ngram ----------
 
