@@ -49,6 +49,7 @@ POINTS = {
     8: {"step_bytes": 3, "floor_ms": 1, "rms_norm_gemv_block": 4, "rms_norm_gemv_swiglu_block": 3,
         "GEMV_ADD_KERNEL_SOURCE": 4, TOGETHER: 2},
     9: {"shard_weight": 5, "parallel_mlp": 4, TOGETHER: 2},
+    10: {"propose_ngram": 3, "accept_greedy": 2, "rejection_sample": 4, "rollback_block_table": 2, TOGETHER: 2},
 }
 
 

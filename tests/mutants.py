@@ -202,6 +202,29 @@ def parallel_mlp_rebinding(x, gate_up, down, out, all_reduce) -> None:
     all_reduce(out)
 
 
+# ---- 10.1: the oldest match; 10.3: the residual drawn from p; 10.4: the partly used block freed too ----
+
+def propose_ngram_oldest_match(tokens, k, min_n, max_n):
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for i in range(len(tokens) - n):
+            if tokens[i:i + n] == tokens[-n:]:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def rejection_sample_residual_from_p(p, q, x, rng):
+    if rng.random() < min(1.0, p[x] / q[x]):
+        return int(x), True
+    return int(rng.choice(len(p), p=p)), False
+
+
+def rollback_block_table_floor(table, length, drop, block_size=16):
+    if not 0 <= drop <= length or len(table) != -(-length // block_size):
+        raise TinyVLLMError("bad rollback")
+    keep = (length - drop) // block_size
+    return list(table[:keep]), list(table[keep:])
+
+
 MUTANTS = {
     "rms_norm in place": Mutant(1, "1.1 rms_norm", {"rms_norm": rms_norm_in_place}),
     "parse_header: overlaps in header order": Mutant(
@@ -223,6 +246,11 @@ MUTANTS = {
     "rms_norm_gemv_block by fours": Mutant(8, "8.3 rms_norm_gemv_block",
                                            {"rms_norm_gemv_block": rms_norm_gemv_block_by_fours}),
     "parallel_mlp rebinding out": Mutant(9, "9.2 parallel_mlp", {"parallel_mlp": parallel_mlp_rebinding}),
+    "propose_ngram: the oldest match": Mutant(10, "10.1 propose_ngram", {"propose_ngram": propose_ngram_oldest_match}),
+    "rejection_sample: the residual from p": Mutant(10, "10.3 rejection_sample",
+                                                    {"rejection_sample": rejection_sample_residual_from_p}),
+    "rollback_block_table: the partly used block freed": Mutant(10, "10.4 rollback_block_table",
+                                                               {"rollback_block_table": rollback_block_table_floor}),
 }
 
 
