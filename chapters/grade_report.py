@@ -49,6 +49,7 @@ POINTS = {
     8: {"step_bytes": 3, "floor_ms": 1, "rms_norm_gemv_block": 4, "rms_norm_gemv_swiglu_block": 3,
         "GEMV_ADD_KERNEL_SOURCE": 4, TOGETHER: 2},
     9: {"shard_weight": 5, "parallel_mlp": 4, TOGETHER: 2},
+    11: {"compile_dfa": 5, "token_states": 4, "schema_tree": 4, TOGETHER: 2},
 }
 
 
