@@ -3,7 +3,6 @@ from the engine's own compile_dfa, and one step's distribution over the vocabula
 schema's token mask, from the default model's logits."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 from matplotlib.figure import Figure  # no pyplot: the same code draws for files (Agg) and notebooks
