@@ -50,6 +50,7 @@ POINTS = {
         "GEMV_ADD_KERNEL_SOURCE": 4, TOGETHER: 2},
     9: {"shard_weight": 5, "parallel_mlp": 4, TOGETHER: 2},
     10: {"propose_ngram": 3, "accept_greedy": 2, "rejection_sample": 4, "rollback_block_table": 2, TOGETHER: 2},
+    11: {"compile_dfa": 5, "token_states": 4, "schema_tree": 4, TOGETHER: 2},
 }
 
 

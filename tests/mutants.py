@@ -223,6 +223,75 @@ def rollback_block_table_floor(table, length, drop, block_size=16):
         raise TinyVLLMError("bad rollback")
     keep = (length - drop) // block_size
     return list(table[:keep]), list(table[keep:])
+# ---- 11.1: a star that must match once; counted repeats without their upper bound ----
+
+def _rewrite_repeats(node, star_needs_one=False, no_upper_bound=False):
+    """A regex tree with its Repeat nodes changed the way a wrong compile_dfa would read them."""
+    from tinyvllm.engine.structured.regex_ast import Alt, Repeat, Seq
+    if isinstance(node, (Seq, Alt)):
+        return type(node)(tuple(_rewrite_repeats(i, star_needs_one, no_upper_bound) for i in node.items))
+    if isinstance(node, Repeat):
+        item = _rewrite_repeats(node.item, star_needs_one, no_upper_bound)
+        low = 1 if star_needs_one and node.low == 0 and node.high is None else node.low
+        return Repeat(item, low, None if no_upper_bound else node.high, node.separator)
+    return node
+
+
+def compile_dfa_star_needs_one(tree):
+    from tinyvllm.engine.structured.dfa import compile_dfa
+    return compile_dfa(_rewrite_repeats(tree, star_needs_one=True))
+
+
+def compile_dfa_no_upper_bound(tree):
+    from tinyvllm.engine.structured.dfa import compile_dfa
+    return compile_dfa(_rewrite_repeats(tree, no_upper_bound=True))
+
+
+# ---- 11.2: only each token's first byte checked; special tokens let through; and a right answer as a loop ----
+
+def token_states_first_byte_only(vocab, transitions, state: int, dead: int) -> np.ndarray:
+    return np.array([dead if not t else int(transitions[state, t[0]]) for t in vocab.tokens])
+
+
+def token_states_specials_allowed(vocab, transitions, state: int, dead: int) -> np.ndarray:
+    from tinyvllm.engine.structured.vocabulary import token_states
+    return np.where(vocab.regular, token_states(vocab, transitions, state, dead), state)
+
+
+def token_states_loop(vocab, transitions, state: int, dead: int) -> np.ndarray:
+    out = np.full(vocab.size, dead)
+    for i, token in enumerate(vocab.tokens):
+        if token:
+            s = state
+            for byte in token:
+                s = int(transitions[s, byte])
+            out[i] = s
+    return out
+
+
+# ---- 11.3: the exercise's subset written by hand, right, and with three mistakes ----
+
+def _schema_tree(schema: dict, optional_required=False, comma_optional=False, required_ignored=False):
+    from tinyvllm.engine.structured.json_schema import INTEGER, STRING_CHAR, members_tree
+    from tinyvllm.engine.structured.regex_ast import Repeat, alt, literal, optional, seq
+    properties, required = schema.get("properties"), schema.get("required", [])
+    if not isinstance(properties, dict) or any(name not in properties for name in required):
+        raise TinyVLLMError("properties must be an object holding every required name")
+    space, members = optional(literal(" ")), []
+    for name, sub in properties.items():
+        kind = sub.get("type")
+        if kind not in ("string", "integer", "boolean"):
+            raise TinyVLLMError(f"property {name!r}: type {kind!r} is not supported")
+        value = {"integer": INTEGER, "boolean": alt(literal("true"), literal("false")),
+                 "string": seq(literal('"'), Repeat(STRING_CHAR, 0, sub.get("maxLength")), literal('"'))}[kind]
+        member = seq(literal(json.dumps(name, ensure_ascii=False)), space, literal(":"), space, value)
+        members.append((member, (name in required or optional_required) and not required_ignored))
+    if comma_optional:   # every property may be left out, and each may have a comma before it, or not
+        comma = optional(seq(space, literal(","), space))
+        body = seq(*(optional(seq(comma, m) if i else m) for i, (m, _) in enumerate(members)))
+    else:
+        body = members_tree(members)
+    return seq(literal("{"), space, body, space, literal("}"))
 
 
 MUTANTS = {
@@ -251,6 +320,20 @@ MUTANTS = {
                                                     {"rejection_sample": rejection_sample_residual_from_p}),
     "rollback_block_table: the partly used block freed": Mutant(10, "10.4 rollback_block_table",
                                                                {"rollback_block_table": rollback_block_table_floor}),
+    "compile_dfa: a star must match once": Mutant(11, "11.1 compile_dfa", {"compile_dfa": compile_dfa_star_needs_one}),
+    "compile_dfa: {m,n} read as {m,}": Mutant(11, "11.1 compile_dfa", {"compile_dfa": compile_dfa_no_upper_bound}),
+    "token_states: the first byte only": Mutant(11, "11.2 token_states",
+                                                {"token_states": token_states_first_byte_only}),
+    "token_states: special tokens allowed": Mutant(11, "11.2 token_states",
+                                                   {"token_states": token_states_specials_allowed}),
+    "token_states as a loop": Mutant(11, "11.2 token_states", {"token_states": token_states_loop}, correct=True),
+    "schema_tree: the subset by hand": Mutant(11, "11.3 schema_tree", {"schema_tree": _schema_tree}, correct=True),
+    "schema_tree: optional properties required": Mutant(
+        11, "11.3 schema_tree", {"schema_tree": functools.partial(_schema_tree, optional_required=True)}),
+    "schema_tree: the comma optional": Mutant(
+        11, "11.3 schema_tree", {"schema_tree": functools.partial(_schema_tree, comma_optional=True)}),
+    "schema_tree: required ignored": Mutant(
+        11, "11.3 schema_tree", {"schema_tree": functools.partial(_schema_tree, required_ignored=True)}),
 }
 
 
