@@ -277,8 +277,7 @@ def paged_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, b
         blocks, sms = n * kv_heads, _multiprocessors()
         splits = min(MAX_SPLITS, -(-2 * sms // blocks)) if 2 * blocks <= sms and n <= SPLIT_MAX_ROWS else 1
     assert 1 <= splits <= MAX_SPLITS and (splits == 1 or split_tokens or n <= SPLIT_MAX_ROWS)
-    rows = SPLIT_MAX_ROWS if splits == 1 else max(SPLIT_MAX_ROWS, 1 << (n - 1).bit_length())  # unread at 1 split
-    partial = _split_workspace(num_heads, head_dim, rows)
+    partial = _split_workspace(num_heads, head_dim, max(SPLIT_MAX_ROWS, 1 << (n - 1).bit_length()))
     _launch_decode("paged_attention", qkv, k_cache, v_cache,
                    (block_tables, np.int32(block_tables.shape[1]), lengths), out, num_heads, splits,
                    (partial, np.int32(split_tokens)))
