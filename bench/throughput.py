@@ -5,7 +5,7 @@ same order): 256 requests, prompt and output lengths uniform in [100, 1024], pro
 temperature 0.6, every request generating exactly its output length (ignore_eos): 142,827 prompt and
 133,966 output tokens, so the figure compares with every published run of that benchmark. (Until
 2026-12 the draw was NumPy's, 148,756 output tokens, greedy: --also-numpy-draw runs it once more.) Measured:
-  - tinyvllm, continuous batching with CUDA graphs: output tokens/s;
+  - tinyvllm, continuous batching with CUDA graphs: output tokens/s, the median of --runs runs and each run;
   - continuous vs static batching at the same batch size (64): static runs batches of 64 to
     completion one after another, continuous refills a finished request's slot at once;
   - batch-1 decode with CUDA graphs: ms per token (time per output token) against the floor,
@@ -15,7 +15,7 @@ temperature 0.6, every request generating exactly its output length (ignore_eos)
     request; only the tokens the workload asks for are counted).
 Writes bench/results/throughput-<time>.json.
 
-    python bench/throughput.py [--skip-transformers] [--also-numpy-draw]
+    python bench/throughput.py [--skip-transformers] [--also-numpy-draw] [--runs 3]
 """
 from __future__ import annotations
 
@@ -58,6 +58,14 @@ def run_tinyvllm(llm, prompts, outputs, temperature: float = TEMPERATURE) -> tup
     results = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     return seconds, sum(len(r.token_ids) for r in results)
+
+
+def repeated_runs(llm, prompts, outputs, runs: int) -> dict:
+    """The workload `runs` times on one engine: tokens/s as the median, with every run's figure (the spread)."""
+    measured = [run_tinyvllm(llm, prompts, outputs) for _ in range(runs)]
+    rates = [tokens / seconds for seconds, tokens in measured]
+    return {"seconds": float(np.median([s for s, _ in measured])), "output_tokens": measured[0][1],
+            "tokens_per_s": float(np.median(rates)), "runs_tokens_per_s": rates}
 
 
 def run_static(llm, prompts, outputs, batch: int) -> tuple[float, int]:
@@ -115,20 +123,21 @@ def hf_padded(hf, prompts, outputs, batch: int = 64) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
-def batch_invariant_cost(model_dir: Path, prompts, outputs, rows: dict) -> dict:
+def batch_invariant_cost(model_dir: Path, prompts, outputs, rows: dict, runs: int) -> dict:
     """The same workload and batch-1 decode with LLM(batch_invariant=True): what the mode costs (chapter 7)."""
     import cupy as cp
 
     from tinyvllm import LLM
     llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.6, max_num_seqs=256, batch_invariant=True)
     run_tinyvllm(llm, [p[:16] for p in prompts], list(range(1, len(prompts) + 1)))   # warm-up, as the default's
-    seconds, tokens = run_tinyvllm(llm, prompts, outputs)
+    cost = repeated_runs(llm, prompts, outputs, runs)
     ms = batch1_ms_per_token(llm)
-    cost = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "throughput_over_default": tokens / seconds / rows["tinyvllm"]["tokens_per_s"],
-            "batch1_ms_per_token": ms, "batch1_over_default": ms / rows["batch1_graphs"]["ms_per_token"]}
-    print(f"batch-invariant mode: {cost['tokens_per_s']:,.0f} tok/s ({cost['throughput_over_default']:.2f} of the "
-          f"default), batch-1 decode {ms:.3f} ms/token ({cost['batch1_over_default']:.2f}x the default)")
+    cost.update(throughput_over_default=cost["tokens_per_s"] / rows["tinyvllm"]["tokens_per_s"],
+                batch1_ms_per_token=ms, batch1_over_default=ms / rows["batch1_graphs"]["ms_per_token"])
+    print(f"batch-invariant mode: {cost['tokens_per_s']:,.0f} tok/s (median of {runs}: "
+          f"{min(cost['runs_tokens_per_s']):,.0f}-{max(cost['runs_tokens_per_s']):,.0f}; "
+          f"{cost['throughput_over_default']:.2f} of the default), batch-1 decode {ms:.3f} ms/token "
+          f"({cost['batch1_over_default']:.2f}x the default)")
     del llm
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
@@ -142,6 +151,7 @@ def main() -> None:
                         help="also run the workload this benchmark drew before 2026-12 (NumPy, greedy)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-batch-invariant", action="store_true", help="leave out the batch-invariant mode's run")
+    parser.add_argument("--runs", type=int, default=3, help="runs of the workload per mode: the median and the spread")
     args = parser.parse_args()
     import cupy as cp
 
@@ -155,9 +165,10 @@ def main() -> None:
     # of every bucket is captured before the clock starts
     run_tinyvllm(llm, [p[:16] for p in prompts], list(range(1, len(prompts) + 1)))
     rows = {}
-    seconds, tokens = run_tinyvllm(llm, prompts, outputs)
-    rows["tinyvllm"] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
-    print(f"tinyvllm continuous (max_num_seqs 256): {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s")
+    rows["tinyvllm"] = repeated_runs(llm, prompts, outputs, args.runs)
+    rates = rows["tinyvllm"]["runs_tokens_per_s"]
+    print(f"tinyvllm continuous (max_num_seqs 256): {rows['tinyvllm']['output_tokens']} tokens, "
+          f"{rows['tinyvllm']['tokens_per_s']:,.0f} tok/s (median of {args.runs}: {min(rates):,.0f}-{max(rates):,.0f})")
     if args.also_numpy_draw:
         old_prompts, old_outputs = numpy_workload(llm.model_config.vocab_size)
         seconds, tokens = run_tinyvllm(llm, old_prompts, old_outputs, temperature=0)
@@ -177,7 +188,7 @@ def main() -> None:
     del llm, small
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
-    invariant = None if args.skip_batch_invariant else batch_invariant_cost(model_dir, prompts, outputs, rows)
+    invariant = None if args.skip_batch_invariant else batch_invariant_cost(model_dir, prompts, outputs, rows, args.runs)
 
     if not args.skip_transformers:
         import torch

@@ -24,6 +24,8 @@ import pytest
 
 from tinyvllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow   # not in make test-fast: each test starts and stops serve with several processes
+
 MAX_MODEL_LEN, NUM_BLOCKS = 256, 128
 PROMPTS = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(24)]
 GREEDY = dict(temperature=0, max_tokens=8)

@@ -62,6 +62,7 @@ def test_slo_pairs_are_vllms():
             slo_pair(wrong)
 
 
+@pytest.mark.slow   # a served engine and the official client
 def test_smoke_run_through_the_openai_client(tiny_model_dir, tmp_path):
     out = tmp_path / "serving.json"
     run = subprocess.run(

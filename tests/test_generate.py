@@ -196,6 +196,7 @@ def test_n_samples_next_to_single_requests(llm):
     assert llm.engine.scheduler.block_manager.num_free == llm.engine.pool.num_blocks
 
 
+@pytest.mark.slow   # the default model generating
 def test_n_samples_share_the_prompt_through_the_prefix_cache(default_model_dir, llm):
     """With prefix caching, samples 1..n-1 find the prompt's full blocks cached by sample 0: they are not
     recomputed, and the tokens are those of the same request without a cache."""

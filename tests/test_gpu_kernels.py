@@ -154,11 +154,36 @@ def test_argmax(ops, rng, rows, vocab):
     np.testing.assert_array_equal(cp.asnumpy(out), np.argmax(logits, axis=1))
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (5, 1000), (64, 49152), (16, 128256)])
+def test_sample_rows_matches_its_twin_and_ignores_its_neighbours(ops, rng, rows, vocab):
+    """kernels/sample_rows.cu against numpy_ops.sample_rows (the same sums in the same order: the same tokens),
+    with forbidden tokens and an all-forbidden row; then each row drawn alone gives the token it got among 256
+    shuffled rows (the batch-invariant mode's claim), where CuPy's batched softmax path is not asked to."""
+    import cupy as cp
+
+    from tinyvllm.model.backend import numpy_ops
+    logits = rng.standard_normal((rows, vocab), dtype=np.float32) * 4
+    logits[:, rng.random(vocab) < 0.2] = -np.inf
+    logits[:, 0] = 0.5
+    if rows > 1:
+        logits[-1] = -np.inf
+    inv_t, u = 1 / rng.uniform(0.3, 2.0, rows), rng.random(rows)
+    expected = np.full(rows, -1, np.int32)
+    numpy_ops.sample_rows(logits, inv_t, u, expected)
+    out = cp.full(rows, -1, cp.int32)
+    ops.sample_rows(cp.asarray(logits), cp.asarray(inv_t), cp.asarray(u), out)
+    np.testing.assert_array_equal(cp.asnumpy(out), expected)
+    order = rng.permutation(256) % rows
+    many = cp.full(256, -1, cp.int32)
+    ops.sample_rows(cp.asarray(logits[order]), cp.asarray(inv_t[order]), cp.asarray(u[order]), many)
+    np.testing.assert_array_equal(cp.asnumpy(many), expected[order])
+
+
 def test_the_guarded_kernels():
     """The files whose code uses a constant from Python (the rest read their launch shape from blockDim)."""
     assert {name for name, needs in GUARDED.items() if needs} == {
         "argmax", "decode_attention", "paged_attention", "prefill_attention", "gemv", "store_kv", "fused_decode", "swiglu",
-        "rms_norm", "gemm_invariant"}
+        "rms_norm", "gemm_invariant", "sample_rows"}
     assert GUARDED["paged_attention"] >= {"BLOCK_SIZE", "DECODE_THREADS", "BF16_PER_VECTOR"}
 
 

@@ -19,6 +19,8 @@ from tests import mutants
 from tests.conftest import naming_its_input
 from tinyvllm.errors import TinyVLLMError
 
+pytestmark = pytest.mark.slow   # not in make test-fast: every grader run on stubs and wrong answers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -61,6 +61,7 @@ def test_greedy_logprobs_match_transformers(llm, hf):
     assert all(entry[token].rank == 1 for token, entry in zip(completion.token_ids, completion.logprobs))
 
 
+@pytest.mark.slow   # transformers beside the engine
 @pytest.mark.parametrize("seed", [3, 11])
 def test_sampled_logprobs_are_raw_and_match_transformers(llm, hf, seed):
     """Temperature, top-k and a repetition penalty change the draw, not the reported logprobs (vLLM's

@@ -157,6 +157,7 @@ def smol(default_model_dir):
     return Model(default_model_dir, "cpu", max_num_batched_tokens=512)
 
 
+@pytest.mark.slow   # the default model decoded twice
 def test_paged_decode_equals_contiguous_decode(smol):
     """Three sequences through a fragmented pool: 24 one-block sequences filled it and every other one
     left, so the free blocks are 0, 2, 4, ... and each sequence's blocks are physically apart. Every slot
@@ -209,6 +210,7 @@ def small_pool_llm(default_model_dir):
     return LLM(default_model_dir, device="cpu", num_blocks=6)  # 96 tokens
 
 
+@pytest.mark.slow   # a long generation on a small pool
 def test_a_request_longer_than_the_pool_runs_to_what_the_pool_holds(small_pool_llm):
     """The context window is lowered to the pool's 96 tokens (vLLM's rule: max_tokens is capped by the
     window), so a request asking for more is not refused: it stops with "length" when the pool is full."""
@@ -220,6 +222,7 @@ def test_a_request_longer_than_the_pool_runs_to_what_the_pool_holds(small_pool_l
     assert small_pool_llm.engine.scheduler.block_manager.num_free == 6
 
 
+@pytest.mark.slow   # a long generation on a small pool
 def test_running_out_mid_generation_preempts_and_returns_every_block(small_pool_llm):
     """Two requests in a 6-block pool: each needs 6 blocks by its end, so one is preempted when the pool
     runs dry (chapter 7's answer to running out), recomputed later, and both end as they would alone."""

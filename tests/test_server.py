@@ -33,6 +33,8 @@ from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.entrypoints.cli import main
 from tinyvllm.entrypoints.server import Server
 
+pytestmark = pytest.mark.slow   # not in make test-fast: every test talks to a served engine (minutes on two cores)
+
 NUM_BLOCKS, MAX_MODEL_LEN = 256, 512
 SETTINGS = dict(model="default", device="cpu", max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

@@ -32,6 +32,8 @@ from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.sampling import MAX_N
 from tinyvllm.entrypoints.server import Server
 
+pytestmark = pytest.mark.slow   # not in make test-fast: thousands of generated requests against a served engine
+
 MAX_EXAMPLES = 40          # per operation, valid and invalid requests together (the fuzzing phase)
 MAX_REPLY_TOKENS = 4       # what one generated request may decode, at most
 MAX_SAMPLES = 2            # n, at most

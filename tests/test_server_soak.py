@@ -22,6 +22,8 @@ from tinyvllm.entrypoints.server import Server
 
 from tests.test_server import pool_is_whole, read_metric, wait_until
 
+pytestmark = pytest.mark.slow   # not in make test-fast: the official client's bursts (about a minute)
+
 BURSTS, REQUESTS, IN_FLIGHT = 4, 40, 16
 TIMEOUT_S = 90          # a request its client waits for must finish well inside this on a loaded 2-core machine
 

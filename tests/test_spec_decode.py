@@ -355,6 +355,7 @@ def test_a_stop_token_or_max_tokens_inside_an_accepted_run_ends_the_output_there
     assert any(why == "stop" for _, _, why in got) and any(why == "length" for _, _, why in got)
 
 
+@pytest.mark.slow   # many generations, with and without speculation
 def test_preemption_prefix_caching_and_chunked_prefill_keep_the_answer(tiny_model_dir, plain, rng):
     """A pool too small for the batch (sequences are preempted and recomputed), prompts sharing a prefix
     (prefix-cache hits), a small step budget (prompts in chunks; proposals cut to what is left), proposals

@@ -238,6 +238,7 @@ def test_random_token_walks_validate_against_the_schema(k, smollm, rng):
         jsonschema.validate(json.loads(text.decode()), schema)
 
 
+@pytest.mark.slow   # hundreds of walks through a 128K-token vocabulary
 def test_random_walks_in_json_object_mode_give_json_objects(llama3, rng):
     token_dfa = llama3.compile(StructuredOutputsParams(json_object=True))
     done = 0
@@ -330,6 +331,7 @@ def llm(default_model_dir):
     return LLM("default", device="cpu")
 
 
+@pytest.mark.slow   # the default model generating
 def test_the_default_model_fills_schemas(llm, seed):
     """The real model, sampling at temperature 1, in one batch: every reply validates."""
     schemas = [PERSON, SCHEMAS[1], {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -342,6 +344,7 @@ def test_the_default_model_fills_schemas(llm, seed):
         jsonschema.validate(json.loads(out.text), schema)
 
 
+@pytest.mark.slow   # the default model generating
 def test_the_default_model_follows_a_regex_and_json_object_mode(llm, seed):
     messages = [[{"role": "user", "content": "What is your phone number?"}],
                 [{"role": "user", "content": "Describe a cat as a JSON object with two keys."}]]

@@ -112,6 +112,36 @@ def test_argmax_first_of_ties(rng):
     np.testing.assert_array_equal(out, [7, 7, 7])
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 1024, 5003])
+def test_sample_rows_draws_the_inverse_cdf_token(rng, vocab):
+    """The twin of kernels/sample_rows.cu against an independent inverse CDF (float64 cumsum, searchsorted): the
+    same token for every u not within rounding of a boundary; forbidden (-inf) tokens never drawn."""
+    rows = 64
+    logits = randn(rng, rows, vocab) * 3
+    logits[:, rng.random(vocab) < 0.3] = -np.inf
+    logits[:, 0] = 1.0   # at least one allowed token per row
+    inv_t, u = 1 / rng.uniform(0.2, 2.0, rows), rng.random(rows)
+    out = np.full(rows, -1, np.int32)
+    twin.sample_rows(logits, inv_t, u, out)
+    for r in range(rows):
+        p = np.exp((logits[r].astype(np.float64) - logits[r].max()) * inv_t[r])
+        cdf = np.cumsum(p) / p.sum()
+        if np.min(np.abs(cdf - u[r])) > 1e-9:
+            assert out[r] == np.searchsorted(cdf, u[r], side="right"), f"row {r}"
+        assert np.isfinite(logits[r, out[r]])
+
+
+def test_sample_rows_follows_the_softmax(rng):
+    """Many rows of one distribution, each with its own u: the drawn tokens' frequencies pass a chi-square test."""
+    from tests.test_sampling import chi_square, chi_square_critical
+    row = randn(rng, 1, 12) * 1.5
+    n = 20000
+    out = np.empty(n, np.int32)
+    twin.sample_rows(np.repeat(row, n, axis=0), np.full(n, 1 / 0.7), rng.random(n), out)
+    p = np.exp((row[0].astype(np.float64) - row.max()) / 0.7)
+    assert chi_square(np.bincount(out, minlength=12), p / p.sum()) < chi_square_critical(11)
+
+
 def test_upload_weight_widens_like_the_checkpoint_loader(rng):
     x = randn(rng, 5, 7)
     bits = float32_to_bf16_bits(x)

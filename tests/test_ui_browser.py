@@ -20,6 +20,8 @@ import pytest
 from chapters.ch07_batching import live_page
 from tinyvllm.engine.engine_config import EngineConfig
 
+pytestmark = pytest.mark.slow   # not in make test-fast: a headless browser against a served engine
+
 
 @pytest.fixture(scope="module")
 def chromium() -> str:

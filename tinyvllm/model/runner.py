@@ -24,6 +24,7 @@ from typing import NamedTuple
 from tinyvllm.model.backend import resolve_device
 from tinyvllm.model.decode import decode_batch
 from tinyvllm.model.kv_pool import PagedKVPool, pool_blocks
+from tinyvllm.model.mask_table import MaskTable
 from tinyvllm.model.model import Model
 from tinyvllm.model.prefill import prefill_batch
 from tinyvllm.model.sampler import sample_step
@@ -43,6 +44,7 @@ class ModelRunner:
     def __init__(self, model: Model, pool: PagedKVPool):
         """A model and the pool its K/V live in; decode steps run eagerly until use_cuda_graphs()."""
         self.model, self.pool = model, pool
+        self.mask_table = MaskTable()   # chapter 11: structured outputs' masks, each sent to the device once
         self.decode = lambda steps: decode_batch(model, pool, steps)
 
     @classmethod
@@ -81,12 +83,13 @@ class ModelRunner:
         samplings = [s.sampling for s in plan.steps]
         if logits is None or not any(samplings):
             return StepOutput([[] for _ in samplings], [None] * len(samplings))
-        return sample_step(logits, samplings, [s.proposals for s in plan.steps], batched=not self.model.batch_invariant)
+        return sample_step(logits, samplings, [s.proposals for s in plan.steps],
+                           batched=not self.model.batch_invariant, mask_table=self.mask_table)
 
     def close(self) -> None:
         """Drop the model, the pool and the graphs, and hand the memory back (on a GPU, CuPy keeps freed
         memory for this process's next arrays until told otherwise)."""
         ops = self.model.ops
-        self.model = self.pool = self.decode = None
+        self.model = self.pool = self.decode = self.mask_table = None
         gc.collect()  # an array caught in a reference cycle goes only when the collector runs: run it now
         ops.free_cached_memory()

@@ -25,14 +25,17 @@ from itertools import accumulate
 
 import numpy as np
 
+from tinyvllm.model.mask_table import MaskTable
 from tinyvllm.model.step_plan import Sampling, StepOutput
 
 
-def sample(logits, params, rng: np.random.Generator) -> int:
-    """One token id from a (vocab,) logits vector, a NumPy or CuPy array: sample_rows of one row."""
+def sample(logits, params, rng: np.random.Generator, in_order: bool = False) -> int:
+    """One token id from a (vocab,) logits vector, a NumPy or CuPy array: sample_rows of one row (sample_in_order's
+    when in_order and nothing is cut: the batch-invariant mode)."""
     if params.temperature == 0:
         return int(array_module(logits).argmax(logits))
-    return sample_rows(logits[None, :], [params], [rng])[0]
+    draw = sample_in_order if in_order and not cuts(params) else sample_rows
+    return draw(logits[None, :], [params], [rng])[0]
 
 
 def sample_rows(logits, params: list, rngs: list[np.random.Generator]) -> list[int]:
@@ -121,19 +124,20 @@ def array_module(a):
 # ---- a whole step: what the model runner calls ----
 
 def sample_step(logits, samplings: list[Sampling | None], proposals: list[list[int]] | None = None,
-                batched: bool = True) -> StepOutput:
+                batched: bool = True, mask_table: MaskTable | None = None) -> StepOutput:
     """Entry i of the step owns len(proposals[i]) + 1 consecutive rows of logits (rows, vocab), on the device: one
     row, or one per proposed token and one more when it verifies proposals (chapter 10). It emits what verify()
     keeps of its proposals (just the drawn token without any), drawn as samplings[i] says (None: no token). The
     plain greedy rows take ONE argmax; the other one-row entries are drawn in groups of one kind (greedy with
     penalties, sampled, sampled and cut), each group at once — or one by one when not batched (the
     batch-invariant mode: a GPU reduction's order may depend on the rows beside). Only ids and the asked
-    logprobs reach the host. An entry whose sampling or logprobs fail gets no ids and its error."""
+    logprobs reach the host. An entry whose sampling or logprobs fail gets no ids and its error. The masks of
+    structured outputs come through mask_table (the runner's: each crosses to the device once) when given."""
     proposals = proposals or [[] for _ in samplings]
     firsts = [0, *accumulate(len(p) + 1 for p in proposals)][:-1]   # each entry's first row
     tokens: list[list[int]] = [[] for _ in samplings]
     errors: dict[int, Exception] = {}
-    logits = apply_masks(logits, samplings, firsts)
+    logits = apply_masks(logits, samplings, firsts, mask_table)
     plain = [i for i, s in enumerate(samplings) if s is not None and is_plain_greedy(s.params)]
     if plain:   # the greedy rows without penalties, all with ONE argmax (no gather when every row is one)
         rows = [firsts[i] + j for i in plain for j in range(len(proposals[i]) + 1)]
@@ -147,13 +151,15 @@ def sample_step(logits, samplings: list[Sampling | None], proposals: list[list[i
             continue
         if proposals[i]:   # verifying: position by position, each draw after the tokens accepted before it
             try:
-                tokens[i] = verify(lambda j, accepted: draw_at(logits[firsts[i] + j], s, accepted), proposals[i])
+                tokens[i] = verify(lambda j, accepted: draw_at(logits[firsts[i] + j], s, accepted, not batched),
+                                   proposals[i])
             except Exception as e:   # this entry's alone: the others go on
                 errors[i] = e
-        else:
-            groups.setdefault(kind(s.params) if batched else str(i), []).append(i)
+        else:   # the batch-invariant mode draws uncut sampled rows together too: sample_in_order is per row
+            together = batched or kind(s.params) == "sampled"
+            groups.setdefault(kind(s.params) if together else str(i), []).append(i)
     for entries in groups.values():
-        draw_group(logits, samplings, entries, [firsts[i] for i in entries], tokens, errors)
+        draw_group(logits, samplings, entries, [firsts[i] for i in entries], tokens, errors, batched)
     return StepOutput(tokens, step_logprobs(logits, samplings, tokens, firsts, errors), errors)
 
 
@@ -163,27 +169,28 @@ def kind(params) -> str:
 
 
 def draw_group(logits, samplings: list[Sampling | None], entries: list[int], rows: list[int], tokens: list,
-               errors: dict) -> None:
+               errors: dict, batched: bool = True) -> None:
     """One token for each entry of one kind (entry i's logits in row rows[...]), all at once. If that fails, each
     alone from its random state before, so a failure is its entry's alone and the others draw what they would
     have drawn."""
     states = [samplings[i].rng.bit_generator.state for i in entries]
     try:
-        drawn = draw_rows(logits, [samplings[i] for i in entries], rows)
+        drawn = draw_rows(logits, [samplings[i] for i in entries], rows, batched)
     except Exception as e:
         if len(entries) == 1:
             errors[entries[0]] = e
             return
         for i, row, state in zip(entries, rows, states):
             samplings[i].rng.bit_generator.state = state
-            draw_group(logits, samplings, [i], [row], tokens, errors)
+            draw_group(logits, samplings, [i], [row], tokens, errors, batched)
         return
     for i, token in zip(entries, drawn):
         tokens[i] = [token]
 
 
-def draw_rows(logits, samplings: list[Sampling], rows: list[int]) -> list[int]:
-    """The penalized rows (each its own copy), then one argmax or one sample_rows for all of them."""
+def draw_rows(logits, samplings: list[Sampling], rows: list[int], batched: bool = True) -> list[int]:
+    """The penalized rows (each its own copy), then one argmax or one sample_rows for all of them (sample_in_order
+    when not batched: the batch-invariant mode)."""
     xp = array_module(logits)
     if any(s.params.has_penalties for s in samplings):
         batch = xp.stack([apply_penalties(logits[r], s.params, s.prompt_ids, s.output_ids)
@@ -192,7 +199,25 @@ def draw_rows(logits, samplings: list[Sampling], rows: list[int]) -> list[int]:
         batch = logits[rows]
     if samplings[0].params.temperature == 0:
         return to_host(batch.argmax(axis=1)).tolist()
-    return sample_rows(batch, [s.params for s in samplings], [s.rng for s in samplings])
+    params = [s.params for s in samplings]
+    draw = sample_in_order if not batched and not any(cuts(p) for p in params) else sample_rows
+    return draw(batch, params, [s.rng for s in samplings])
+
+
+def sample_in_order(logits, params: list, rngs: list[np.random.Generator]) -> list[int]:
+    """sample_rows for rows that cut nothing, as the batch-invariant mode draws them (chapter 7): the backend's
+    sample_rows (kernels/sample_rows.cu, or its NumPy twin) sums each row in an order fixed by the vocabulary size,
+    so a row's token does not depend on how many rows are drawn with it. One uniform number per row, as ever.
+    (A library's batched softmax and cumsum pick their schedule from the whole array's shape.)"""
+    xp = array_module(logits)
+    if xp is np:
+        from tinyvllm.model.backend import numpy_ops as ops
+    else:
+        from tinyvllm.model.backend import cuda_ops as ops
+    out = xp.empty(len(params), dtype=np.int32)
+    ops.sample_rows(xp.ascontiguousarray(logits, dtype=np.float32), xp.asarray([1 / p.temperature for p in params]),
+                    xp.asarray([rng.random() for rng in rngs]), out)
+    return to_host(out).tolist()
 
 
 def verify(target: Callable[[int, list[int]], int], proposals: list[int]) -> list[int]:
@@ -209,23 +234,26 @@ def verify(target: Callable[[int, list[int]], int], proposals: list[int]) -> lis
     return emitted
 
 
-def draw_at(row, s: Sampling, accepted: list[int]) -> int:
+def draw_at(row, s: Sampling, accepted: list[int], in_order: bool = False) -> int:
     """One token from one row of logits, as s says; the penalties count the tokens accepted before this position."""
     if s.params.has_penalties:
         row = apply_penalties(row, s.params, s.prompt_ids, s.output_ids + accepted)
-    return sample(row, s.params, s.rng)
+    return sample(row, s.params, s.rng, in_order)
 
 
-def apply_masks(logits, samplings: list[Sampling | None], firsts: list[int]):
+def apply_masks(logits, samplings: list[Sampling | None], firsts: list[int], mask_table: MaskTable | None = None):
     """The logits with -inf where an entry's mask forbids a token (a copy; the same logits when no entry has a
-    mask). Only the masked rows' (vocab,) bool masks cross to the device. A structured output never verifies
-    proposals (the scheduler does not speculate for it): its one row is its first."""
+    mask). The masks come from mask_table, where each crossed to the device once (without one, they are sent
+    whole). A structured output never verifies proposals (the scheduler does not speculate for it): its one row
+    is its first."""
     entries = [i for i, s in enumerate(samplings) if s is not None and s.allowed is not None]
     if not entries:
         return logits
     xp, rows = array_module(logits), [firsts[i] for i in entries]
     masked = logits.copy()
-    masked[rows] = xp.where(xp.asarray(np.stack([samplings[i].allowed for i in entries])), logits[rows], -xp.inf)
+    masks = [samplings[i].allowed for i in entries]
+    allowed = mask_table.gather(masks, xp) if mask_table else xp.asarray(np.stack(masks))
+    masked[rows] = xp.where(allowed, logits[rows], -xp.inf)
     return masked
 
 

@@ -19,6 +19,7 @@ BF16_PER_VECTOR = 8  # bf16 values in one 16-byte vector load (uint4): what a ke
 ROWS = 256  # 8 warps stride over a row: 576 (SmolLM2) to 2048 (Llama 3.2 1B) columns in 3 to 8 steps
 NORM_VECTOR = 4  # columns add_rms_norm's threads take at once (a 16-byte fp32 load) when the hidden size is a multiple
 ARGMAX_THREADS = 1024  # one block scans a whole vocabulary row: the most a block may have, a power of 2 for the tree
+SAMPLE_THREADS = 1024  # sample_rows: one block a row, a slice of ceil(vocab / SAMPLE_THREADS) tokens a thread
 STORE_KV_THREADS = 128  # 8 bf16 each: 1024 K (and V) columns in one pass, 8 K/V heads x 128 (Llama 3.1 8B)
 
 # Prefill attention (chapter 3): PREFILL_TILE query rows per block, PREFILL_KEY_TILE keys per K/V tile
@@ -124,6 +125,7 @@ KERNEL_CONSTANTS = {
     "ROWS": ROWS,
     "NORM_VECTOR": NORM_VECTOR,
     "ARGMAX_THREADS": ARGMAX_THREADS,
+    "SAMPLE_THREADS": SAMPLE_THREADS,
     "STORE_KV_THREADS": STORE_KV_THREADS,
     "PREFILL_TILE": PREFILL_TILE,
     "PREFILL_KEY_TILE": PREFILL_KEY_TILE,

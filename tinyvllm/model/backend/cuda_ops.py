@@ -28,6 +28,7 @@ from tinyvllm.model.backend.constants import (
     PREFILL_THREADS,
     PREFILL_TILE,
     ROWS,
+    SAMPLE_THREADS,
     SPLIT_MAX_ROWS,
     STORE_KV_THREADS,
     GemmTile,
@@ -241,6 +242,15 @@ def swiglu(gate_up: cp.ndarray, act: cp.ndarray) -> None:
 def argmax(logits: cp.ndarray, out: cp.ndarray) -> None:
     _rows_ok(logits)
     kernel("argmax", "argmax")((logits.shape[0],), (ARGMAX_THREADS,), (logits, out, np.int32(logits.shape[1])))
+
+
+def sample_rows(logits: cp.ndarray, inv_temperature: cp.ndarray, u: cp.ndarray, out: cp.ndarray) -> None:
+    """A token per row, every sum in an order fixed by the vocabulary size alone (kernels/sample_rows.cu)."""
+    assert logits.dtype == np.float32 and logits.strides[1] == 4, "fp32 rows"
+    assert inv_temperature.dtype == u.dtype == np.float64 and out.dtype == np.int32
+    rows, vocab = logits.shape
+    kernel("sample_rows", "sample_rows")((rows,), (SAMPLE_THREADS,), (logits, np.int32(logits.strides[0] // 4),
+                                         np.int32(vocab), inv_temperature, u, out))
 
 
 def store_kv(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, slots: cp.ndarray, num_heads: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.formats.bf16 import bf16_bits_to_float32
-from tinyvllm.model.backend.constants import decode_thread_groups
+from tinyvllm.model.backend.constants import SAMPLE_THREADS, decode_thread_groups
 from tinyvllm.model.gemm import gemm_numpy as gemm  # noqa: F401  (part of the backend's interface)
 from tinyvllm.model.step_plan import BLOCK_SIZE
 
@@ -141,6 +141,30 @@ def swiglu(gate_up: np.ndarray, act: np.ndarray) -> None:
 
 def argmax(logits: np.ndarray, out: np.ndarray) -> None:
     out[...] = np.argmax(logits, axis=-1)
+
+
+def sample_rows(logits: np.ndarray, inv_temperature: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:
+    """out[r]: a token drawn from softmax(logits[r] * inv_temperature[r]) with the uniform number u[r], every sum in
+    the kernel's order (kernels/sample_rows.cu): SAMPLE_THREADS slices, each summed in increasing i (a cumsum is
+    sequential), their exclusive prefix sums in increasing slice, then the first i past the draw in its slice."""
+    rows, vocab = logits.shape
+    span = -(-vocab // SAMPLE_THREADS)
+    peak = logits.max(axis=1, keepdims=True).astype(np.float64)
+    p = np.zeros((rows, SAMPLE_THREADS * span))
+    with np.errstate(invalid="ignore"):   # a row of -inf gives NaN here; it answers 0 below
+        p[:, :vocab] = np.exp((logits.astype(np.float64) - peak) * inv_temperature[:, None])
+    walked = np.cumsum(p.reshape(rows, SAMPLE_THREADS, span), axis=2)       # each slice's running sum
+    ends = np.cumsum(walked[:, :, -1], axis=1)                              # P_{t+1}
+    starts = np.concatenate([np.zeros((rows, 1)), ends[:, :-1]], axis=1)    # P_t
+    target = u * ends[:, -1]
+    owner = SAMPLE_THREADS - 1 - np.argmax(((ends > starts) & (starts <= target[:, None]))[:, ::-1], axis=1)
+    for r in range(rows):
+        if peak[r, 0] == -np.inf:   # every token forbidden: 0, as argmax answers
+            out[r] = 0
+            continue
+        mine, first = walked[r, owner[r]], owner[r] * span
+        past = np.flatnonzero(mine > target[r] - starts[r, owner[r]])
+        out[r] = first + past[0] if len(past) else first + np.flatnonzero(p[r, first:first + span])[-1]
 
 
 def store_kv(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
