@@ -1,0 +1,105 @@
+"""Chapter 11: the pushdown automaton lifted to tokens — masks that depend on the stack, cached where they do not.
+
+A token is allowed when its bytes, fed to the PDA (pda.step) from the parser's state, leave some stack alive.
+Walking 49,152 tokens through a set of stacks in Python at every step would cost far more than a model step,
+so a mask is put together from two parts, per stack of the parser's state (XGrammar's split):
+  - context-independent tokens: those that stay inside the top rule — they never end it and never call
+    another rule before their last byte. For them only the top state matters (and the room left under
+    MAX_NESTING, which `need` answers), and their walk is token_states' vectorised walk over the trie with
+    the rule's byte table. Computed once per top state, cached.
+  - context-dependent tokens: those that pass through a junction (a state where the rule may end, or may
+    call another rule) before their last byte. Which of them are allowed depends on what is below on the
+    stack, so they are walked byte by byte through the PDA. There are few: tokens such as "}," or "[{" that
+    cross the edge of a rule.
+The finished mask is cached per parser state too (MASKS_KEPT of them, least recently used out): nested JSON
+comes back to the same stacks again and again, and a cache hit costs one dictionary lookup.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from tinyvllm.engine.structured.dfa import DEAD
+from tinyvllm.engine.structured.pda import MAX_NESTING, PDA, Config, Stack, initial, walk
+from tinyvllm.engine.structured.vocabulary import Vocabulary, token_states
+
+MASKS_KEPT = 512             # parser states whose masks stay cached, per constraint (48 KB each for 49k tokens)
+
+
+class TokenPDA:
+    """One compiled recursive constraint over one vocabulary; its masks are shared by every request using it.
+    The same interface as TokenDFA, with a parser state (a set of stacks) for a DFA state."""
+
+    def __init__(self, pda: PDA, vocab: Vocabulary):
+        self.pda, self.vocab = pda, vocab
+        self.start = initial(pda)
+        self._table, self._entry, self._crossing = junction_table(pda)
+        self._need = np.minimum(np.append(pda.need, MAX_NESTING + 1), MAX_NESTING + 1)   # + the crossing state
+        self._tops: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._masks: OrderedDict[Config, np.ndarray] = OrderedDict()
+
+    @property
+    def num_states(self) -> int:
+        return self.pda.num_states
+
+    def accepts(self, config: Config) -> bool:
+        return () in config
+
+    def after(self, config: Config, data: bytes) -> Config | None:
+        """The parser's state after `data`; None when no stack survives it."""
+        return walk(self.pda, config, data) or None
+
+    def top(self, state: int) -> tuple[np.ndarray, np.ndarray]:
+        """For a stack whose top is `state`: (room each context-independent token needs under MAX_NESTING,
+        MAX_NESTING + 1 for the others) and the context-dependent tokens. Computed once per state."""
+        if state not in self._tops:
+            ends = token_states(self.vocab, self._table, int(self._entry[state]), DEAD)
+            room = self._need[ends].astype(np.uint8)          # DEAD's need is NEVER: never allowed
+            self._tops[state] = (room, np.flatnonzero(ends == self._crossing))
+        return self._tops[state]
+
+    def token_mask(self, config: Config) -> np.ndarray:
+        """(vocab,) bool: the tokens that leave some stack alive (cached per parser state)."""
+        mask = self._masks.get(config)
+        if mask is None:
+            mask = self._masks[config] = np.zeros(self.vocab.size, dtype=bool)
+            for stack in config:
+                if stack:
+                    self.add_tokens(mask, stack)
+            if len(self._masks) > MASKS_KEPT:
+                self._masks.popitem(last=False)
+        self._masks.move_to_end(config)
+        return mask
+
+    def add_tokens(self, mask: np.ndarray, stack: Stack) -> None:
+        """Allow the tokens that keep this one stack alive: the top state's cached ones that fit in the room
+        left, and the context-dependent ones that the walk through the whole stack lets through."""
+        room, crossing = self.top(stack[-1])
+        mask |= room <= MAX_NESTING - len(stack)
+        for token in crossing:
+            if not mask[token] and walk(self.pda, frozenset([stack]), self.vocab.tokens[token]):
+                mask[token] = True
+
+    def allowed(self, config: Config, stop_ids: frozenset[int]) -> np.ndarray:
+        """token_mask, and the stop tokens when the root rule may end here."""
+        if not self.accepts(config):
+            return self.token_mask(config)
+        mask = self.token_mask(config).copy()
+        mask[[i for i in stop_ids if i < len(mask)]] = True
+        return mask
+
+
+def junction_table(pda: PDA) -> tuple[np.ndarray, np.ndarray, int]:
+    """The byte table of the vectorised walk: every move out of a junction (a state that may end its rule or
+    call another) goes to one extra state, CROSSING, which keeps it: a token found there is context-dependent.
+    A walk may start at a junction, so each junction also gets an entry row with its real moves.
+    Returns (table, entry row of each state, CROSSING)."""
+    junction = pda.accepting | np.array([bool(c) for c in pda.calls])
+    crossing = pda.num_states
+    inside = np.where(junction[:, None], crossing, pda.transitions)
+    junctions = np.flatnonzero(junction)
+    entry = np.arange(pda.num_states)
+    entry[junctions] = crossing + 1 + np.arange(len(junctions))
+    table = np.vstack([inside, np.full((1, 256), crossing), pda.transitions[junctions]]).astype(np.int32)
+    return table, entry, crossing
