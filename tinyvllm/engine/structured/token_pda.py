@@ -7,10 +7,10 @@ so a mask is put together from two parts, per stack of the parser's state (XGram
     another rule before their last byte. For them only the top state matters (and the room left under
     MAX_NESTING, which `need` answers), and their walk is token_states' vectorised walk over the trie with
     the rule's byte table. Computed once per top state, cached.
-  - context-dependent tokens: those that pass through a junction (a state where the rule may end, or may
-    call another rule) before their last byte. Which of them are allowed depends on what is below on the
-    stack, so they are walked byte by byte through the PDA. There are few: tokens such as "}," or "[{" that
-    cross the edge of a rule.
+  - context-dependent tokens: those that may leave the top rule before their last byte — at a junction (a
+    state where the rule may end, or may call another rule), a byte that the caller or the callee could
+    read. Which of them are allowed depends on the stack, so they are walked byte by byte through the PDA.
+    There are few: tokens such as "}," or "[{" that cross the edge of a rule.
 The finished mask is cached per parser state too (MASKS_KEPT of them, least recently used out): nested JSON
 comes back to the same stacks again and again, and a cache hit costs one dictionary lookup.
 """
@@ -21,7 +21,7 @@ from collections import OrderedDict
 import numpy as np
 
 from tinyvllm.engine.structured.dfa import DEAD
-from tinyvllm.engine.structured.pda import MAX_NESTING, PDA, Config, Stack, initial, walk
+from tinyvllm.engine.structured.pda import MAX_NESTING, PDA, Config, Stack, closure, initial, walk
 from tinyvllm.engine.structured.vocabulary import Vocabulary, token_states
 
 MASKS_KEPT = 512             # parser states whose masks stay cached, per constraint (48 KB each for 49k tokens)
@@ -91,15 +91,30 @@ class TokenPDA:
 
 
 def junction_table(pda: PDA) -> tuple[np.ndarray, np.ndarray, int]:
-    """The byte table of the vectorised walk: every move out of a junction (a state that may end its rule or
-    call another) goes to one extra state, CROSSING, which keeps it: a token found there is context-dependent.
-    A walk may start at a junction, so each junction also gets an entry row with its real moves.
-    Returns (table, entry row of each state, CROSSING)."""
-    junction = pda.accepting | np.array([bool(c) for c in pda.calls])
+    """The byte table of the vectorised walk. At a junction (a state that may end its rule or call another), a
+    byte that something besides the rule's own moves could read (risky_bytes) goes to one extra state,
+    CROSSING, which keeps it: a token found there is context-dependent. A walk may start at a junction, with
+    the rule's own moves only (the parser's state holds the calls and returns as stacks of their own), so each
+    junction also gets an entry row. Returns (table, entry row of each state, CROSSING)."""
+    junctions = np.flatnonzero(pda.accepting | np.array([bool(c) for c in pda.calls]))
     crossing = pda.num_states
-    inside = np.where(junction[:, None], crossing, pda.transitions)
-    junctions = np.flatnonzero(junction)
+    inside = pda.transitions.copy()
+    for j in junctions:
+        inside[j] = np.where(risky_bytes(pda, j), crossing, pda.transitions[j])
     entry = np.arange(pda.num_states)
     entry[junctions] = crossing + 1 + np.arange(len(junctions))
     table = np.vstack([inside, np.full((1, 256), crossing), pda.transitions[junctions]]).astype(np.int32)
     return table, entry, crossing
+
+
+def risky_bytes(pda: PDA, state: int) -> np.ndarray:
+    """(256,) bool: the bytes that, at `state`, a rule it calls may read, and every byte where its rule may end
+    (what follows is up to the caller, below on the stack)."""
+    risky = np.full(256, bool(pda.accepting[state]))
+    for callee, _ in pda.calls[state]:
+        entered = closure(pda, [(callee,)])
+        if () in entered:                  # the callee may match nothing: the bytes after the call could come
+            return np.ones(256, dtype=bool)
+        for stack in entered:
+            risky |= pda.transitions[stack[-1]] != DEAD
+    return risky
