@@ -24,7 +24,7 @@ from tinyvllm.engine.structured.dfa import DEAD
 from tinyvllm.engine.structured.pda import MAX_NESTING, PDA, Config, Stack, closure, initial, walk
 from tinyvllm.engine.structured.vocabulary import Vocabulary, token_states
 
-MASKS_KEPT = 512             # parser states whose masks stay cached, per constraint (48 KB each for 49k tokens)
+MASKS_KEPT = 256             # parser states whose masks stay cached, per constraint (48 KB each for 49k tokens)
 
 
 class TokenPDA:
