@@ -230,9 +230,10 @@ def test_only_a_recursive_constraint_takes_the_pushdown_automaton(smollm):
     assert isinstance(smollm.compile(StructuredOutputsParams(json=TREE)), TokenPDA)
 
 
-def random_walk(constraint, rng, max_steps: int, prefer: bytes) -> tuple[bytes, bool, int]:
-    """An adversarial writer over the real vocabulary: uniform over the allowed tokens, preferring (7 times in 10)
-    those that open a level. Returns the bytes, whether the output ended, and the deepest stack."""
+def random_walk(constraint, rng, max_steps: int, brackets: bytes) -> tuple[bytes, bool, int]:
+    """An adversarial writer over the real vocabulary: uniform over the allowed tokens, but 7 times in 10 one that
+    opens a level (brackets[0]) in the first half of the walk, one that closes (brackets[1]) in the second.
+    Returns the bytes, whether the output ended, and the deepest stack."""
     matcher, out, deepest = Matcher(constraint, {2}), b"", 0
     for step in range(max_steps):
         allowed = np.flatnonzero(matcher.allowed())
@@ -240,8 +241,9 @@ def random_walk(constraint, rng, max_steps: int, prefer: bytes) -> tuple[bytes, 
         if matcher.accepting and (len(allowed) == 1 or step > max_steps // 2):
             return out, True, deepest
         regular = [t for t in allowed if t != 2]
-        deeper = [t for t in regular if prefer in constraint.vocab.tokens[t]] if step < max_steps // 2 else []
-        token = int(rng.choice(deeper if deeper and rng.random() < 0.7 else regular))
+        bracket = brackets[0] if step < max_steps // 2 else brackets[1]
+        preferred = [t for t in regular if bytes([bracket]) in constraint.vocab.tokens[t]]
+        token = int(rng.choice(preferred if preferred and rng.random() < 0.7 else regular))
         matcher.advance(token)
         out += constraint.vocab.tokens[token]
         deepest = max(deepest, max(len(stack) for stack in matcher.state))
@@ -253,20 +255,21 @@ def random_walk(constraint, rng, max_steps: int, prefer: bytes) -> tuple[bytes, 
 @pytest.mark.parametrize("schema", [TREE, COMMENTS], ids=["tree", "comments"])
 def test_random_walks_over_the_real_vocabulary_validate(schema, smollm, rng):
     token_pda = smollm.compile(StructuredOutputsParams(json=schema))
-    finished = 0
+    finished, deepest = 0, 0
     for _ in range(6):
-        text, done, deepest = random_walk(token_pda, rng, 400, b"{")
+        text, done, depth = random_walk(token_pda, rng, 400, b"{}")
+        deepest = max(deepest, depth)
         if done:
             finished += 1
             jsonschema.validate(json.loads(text.decode()), schema)
-    assert finished
+    assert finished and deepest > 3
 
 
 def test_random_walks_over_the_real_vocabulary_match_the_grammar(smollm, rng):
     token_pda = smollm.compile(StructuredOutputsParams(grammar=LISTS))
     deepest = 0
     for _ in range(6):
-        text, done, depth = random_walk(token_pda, rng, 300, b"[")
+        text, done, depth = random_walk(token_pda, rng, 300, b"[]")
         deepest = max(deepest, depth)
         if done:
             assert lists_depth(text.decode()) is not None, text

@@ -34,12 +34,12 @@ def grammar_tree(text: str) -> Node | Grammar:
     if "root" not in rules:
         raise TinyVLLMError("the grammar has no `root ::= ...` rule; the output must match root")
     expander = Expander(rules)
-    root = expander.rule("root")
-    if not expander.called:
-        return root
-    # each rule called recursively gets its own tree; expanding one may call more (the list grows as we go)
-    called = [expander.rule(name) for name in expander.called]
-    return Grammar((root, *called), ("root", *expander.called))
+    trees = [expander.rule("root")]
+    if not expander.recursive:
+        return trees[0]
+    while len(trees) < len(expander.called):   # each rule called recursively gets its own tree; one may call more
+        trees.append(expander.rule(expander.called[len(trees)]))
+    return Grammar(tuple(trees), tuple(expander.called))
 
 
 def tokenize(text: str) -> list[tuple[str, str]]:
@@ -73,20 +73,21 @@ def split_rules(tokens: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]
 
 class Expander:
     """Recursive descent over a rule's tokens; rule names are expanded in place, except a rule already being
-    expanded (recursion): that becomes a Call, and the rule joins `called`, Call(i) being called[i - 1]."""
+    expanded (recursion): that becomes a Call, and the rule joins `called`, Call(i) matching called[i]."""
 
     def __init__(self, rules: dict[str, list]):
         self.rules, self.open = rules, []
         self.tokens, self.at = [], 0
-        self.called: list[str] = []
+        self.called, self.recursive = ["root"], False   # rule 0 is the root
 
     def rule(self, name: str) -> Node:
         if name not in self.rules:
             raise TinyVLLMError(f"the grammar uses the rule {name!r} but does not define it")
         if name in self.open:
+            self.recursive = True
             if name not in self.called:
                 self.called.append(name)
-            return Call(1 + self.called.index(name))
+            return Call(self.called.index(name))
         saved, self.tokens, self.at = (self.tokens, self.at), self.rules[name], 0
         self.open.append(name)
         tree = self.alternation()

@@ -51,12 +51,12 @@ def schema_tree(schema: dict | bool | str) -> Node | Grammar:
         except json.JSONDecodeError as e:
             raise TinyVLLMError(f"the JSON schema is not valid JSON: {e}") from None
     compiler = SchemaCompiler(schema)
-    root = compiler.tree(schema, "schema")
-    if not compiler.called:
-        return root
-    # each $ref reached recursively becomes a rule; compiling one may call more (the list grows as we go)
-    called = [compiler.rule(ref) for ref in compiler.called]
-    return Grammar((root, *called), ("schema", *compiler.called))
+    rules = [compiler.tree(schema, "schema")]
+    if not compiler.recursive:
+        return rules[0]
+    while len(rules) < len(compiler.called):   # each $ref reached recursively is a rule; one may call more
+        rules.append(compiler.rule(compiler.called[len(rules)]))
+    return Grammar(tuple(rules), tuple(compiler.called))
 
 
 def any_json_object() -> Node:
@@ -67,12 +67,13 @@ def any_json_object() -> Node:
 class SchemaCompiler:
     def __init__(self, root):
         self.root = root
-        self.refs_open: list[str] = []        # the $refs being expanded: one seen again is recursion
-        self.called: list[str] = []           # the recursive $refs: Call(i) matches the schema of called[i - 1]
+        self.refs_open = ["#"]                # the $refs being expanded: one seen again is recursion ("#": all)
+        self.called = ["#"]                   # the recursive $refs: Call(i) matches called[i]'s schema, 0 the root
+        self.recursive = False
 
     def rule(self, ref: str) -> Node:
         """The tree of a recursive $ref's schema, compiled on its own (its own reference inside: a Call)."""
-        self.refs_open = [ref]
+        self.refs_open = ["#", ref]
         return self.tree(self.resolve(ref, ref), ref)
 
     def tree(self, schema, where: str) -> Node:
@@ -121,9 +122,10 @@ class SchemaCompiler:
         ref = schema["$ref"]
         self.check_keywords(schema, {"$ref"}, where)
         if ref in self.refs_open:             # recursion: a call of the rule the pushdown automaton keeps for it
+            self.recursive = True
             if ref not in self.called:
                 self.called.append(ref)
-            return Call(1 + self.called.index(ref))
+            return Call(self.called.index(ref))
         self.refs_open.append(ref)
         try:
             return self.tree(self.resolve(ref, where), ref)

@@ -159,8 +159,8 @@ def initial(pda: PDA) -> Config:
 
 
 def fits(pda: PDA, stack: Stack) -> bool:
-    """The top entry leaves room under MAX_NESTING to finish its rule (the entries below were checked when
-    they were the top). Keeping every stack this way, any stack the parser holds can still finish."""
+    """The top entry leaves room under MAX_NESTING to finish its rule (each entry below was checked when it
+    was put there). Keeping every stack this way, any stack the parser holds can still finish."""
     return len(stack) + pda.need[stack[-1]] <= MAX_NESTING
 
 
@@ -182,9 +182,9 @@ def closure(pda: PDA, stacks) -> Config:
         if pda.accepting[top]:
             todo.append(below)                         # the rule is done: its caller goes on from its return state
         for callee, back in pda.calls[top]:
-            pushed = (below if pda.returns_only[back] else below + (back,)) + (callee,)
-            if fits(pda, pushed):
-                todo.append(pushed)
+            caller = below if pda.returns_only[back] else below + (back,)
+            if (pda.returns_only[back] or fits(pda, caller)) and fits(pda, caller + (callee,)):
+                todo.append(caller + (callee,))
     if len(out) > MAX_STACKS:
         raise TinyVLLMError(f"the grammar is too ambiguous: over {MAX_STACKS} ways to read the text so far")
     return frozenset(out)
