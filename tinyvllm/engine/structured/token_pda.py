@@ -11,12 +11,14 @@ so a mask is put together from two parts, per stack of the parser's state (XGram
     state where the rule may end, or may call another rule), a byte that the caller or the callee could
     read. Which of them are allowed depends on the stack, so they are walked byte by byte through the PDA.
     There are few: tokens such as "}," or "[{" that cross the edge of a rule.
-The finished mask is cached per parser state too (MASKS_KEPT of them, least recently used out): nested JSON
-comes back to the same stacks again and again, and a cache hit costs one dictionary lookup.
+Most steps have one stack, far from the bound, whose top has no context-dependent token (inside a string,
+say): the mask is the top state's, as cached. Other masks are cached per parser state (MASKS_KEPT of them,
+least recently used out): nested JSON comes back to the same stacks again and again.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,6 +27,14 @@ from tinyvllm.engine.structured.pda import MAX_NESTING, PDA, Config, Stack, clos
 from tinyvllm.engine.structured.vocabulary import Vocabulary, token_states
 
 MASKS_KEPT = 256             # parser states whose masks stay cached, per constraint (48 KB each for 49k tokens)
+
+
+@dataclass
+class Top:
+    """What a stack's top state alone says about the tokens (computed once per state)."""
+    mask: np.ndarray         # (vocab,) bool: the context-independent tokens allowed where there is room to spare
+    deepest: int             # the most stack entries one of them needs above this one (0: none)
+    crossing: np.ndarray     # the context-dependent tokens, walked through the whole stack
 
 
 class TokenPDA:
@@ -36,7 +46,7 @@ class TokenPDA:
         self.start = initial(pda)
         self._table, self._entry, self._crossing = junction_table(pda)
         self._need = np.minimum(np.append(pda.need, MAX_NESTING + 1), MAX_NESTING + 1)   # + the crossing state
-        self._tops: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._tops: dict[int, Top] = {}
         self._masks: OrderedDict[Config, np.ndarray] = OrderedDict()
 
     @property
@@ -50,17 +60,27 @@ class TokenPDA:
         """The parser's state after `data`; None when no stack survives it."""
         return walk(self.pda, config, data) or None
 
-    def top(self, state: int) -> tuple[np.ndarray, np.ndarray]:
-        """For a stack whose top is `state`: (room each context-independent token needs under MAX_NESTING,
-        MAX_NESTING + 1 for the others) and the context-dependent tokens. Computed once per state."""
+    def ends(self, state: int) -> np.ndarray:
+        """(vocab,): where each token's vectorised walk from `state` ends: a state of the top rule, DEAD, or
+        CROSSING (context-dependent). need[end] is the room the token needs (DEAD's need is NEVER)."""
+        return token_states(self.vocab, self._table, int(self._entry[state]), DEAD)
+
+    def top(self, state: int) -> Top:
         if state not in self._tops:
-            ends = token_states(self.vocab, self._table, int(self._entry[state]), DEAD)
-            room = self._need[ends].astype(np.uint8)          # DEAD's need is NEVER: never allowed
-            self._tops[state] = (room, np.flatnonzero(ends == self._crossing))
+            ends = self.ends(state)
+            rooms = self._need[ends]
+            mask = rooms <= MAX_NESTING
+            self._tops[state] = Top(mask, int(rooms[mask].max(initial=0)), np.flatnonzero(ends == self._crossing))
         return self._tops[state]
 
     def token_mask(self, config: Config) -> np.ndarray:
-        """(vocab,) bool: the tokens that leave some stack alive (cached per parser state)."""
+        """(vocab,) bool: the tokens that leave some stack alive. Most steps have one stack, far from the bound,
+        with no context-dependent token: its top's mask, as it is. Otherwise cached per parser state."""
+        if len(config) == 1:
+            stack = next(iter(config))
+            top = self.top(stack[-1]) if stack else None
+            if top is not None and not len(top.crossing) and len(stack) + top.deepest <= MAX_NESTING:
+                return top.mask
         mask = self._masks.get(config)
         if mask is None:
             mask = self._masks[config] = np.zeros(self.vocab.size, dtype=bool)
@@ -73,11 +93,14 @@ class TokenPDA:
         return mask
 
     def add_tokens(self, mask: np.ndarray, stack: Stack) -> None:
-        """Allow the tokens that keep this one stack alive: the top state's cached ones that fit in the room
-        left, and the context-dependent ones that the walk through the whole stack lets through."""
-        room, crossing = self.top(stack[-1])
-        mask |= room <= MAX_NESTING - len(stack)
-        for token in crossing:
+        """Allow the tokens that keep this one stack alive: the top state's context-independent ones that fit
+        in the room left, and the context-dependent ones that the walk through the whole stack lets through."""
+        top = self.top(stack[-1])
+        if len(stack) + top.deepest <= MAX_NESTING:
+            mask |= top.mask
+        else:                                     # near the bound: which tokens still fit (rare, not cached)
+            mask |= self._need[self.ends(stack[-1])] <= MAX_NESTING - len(stack)
+        for token in top.crossing:
             if not mask[token] and walk(self.pda, frozenset([stack]), self.vocab.tokens[token]):
                 mask[token] = True
 
