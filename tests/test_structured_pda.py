@@ -9,11 +9,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from tinyvllm import LLM, SamplingParams, StructuredOutputsParams
+from tinyvllm import LLM, SamplingParams, StructuredOutputsParams, TinyVLLMError
 from tinyvllm.engine.structured import pda as pda_module
 from tinyvllm.engine.structured import token_pda as token_pda_module
 from tinyvllm.engine.structured.compiler import StructuredOutputCompiler
-from tinyvllm.engine.structured.pda import compile_pda, matches, walk
+from tinyvllm.engine.structured.pda import compile_pda, initial, matches, walk
 from tinyvllm.engine.structured.token_dfa import Matcher, TokenDFA
 from tinyvllm.engine.structured.token_pda import TokenPDA
 from tinyvllm.engine.structured.vocabulary import build_vocabulary
@@ -167,11 +167,27 @@ def nesting(monkeypatch, depth: int) -> None:
     monkeypatch.setattr(token_pda_module, "MAX_NESTING", depth)
 
 
-def test_the_nesting_bound_is_exact_and_named(monkeypatch):
+def test_the_nesting_bound_is_exact_and_leaves_only_closing(monkeypatch):
+    """MAX_NESTING 5: five levels match, six do not; at the bound the mask allows "]" and no longer "[" (nor a
+    number, which the called rule `value` would match one level deeper)."""
     nesting(monkeypatch, 5)
     pda = compiled(grammar=LISTS)
     assert matches(pda, b"[" * 5 + b"]" * 5) and not matches(pda, b"[" * 6 + b"]" * 6)
     assert matches(pda, b"[[[[[]],[1]]]]")
+    token_pda = TokenPDA(pda, build_vocabulary([b"[", b"]", b"1", b","]))
+    mask = token_pda.token_mask(walk(pda, token_pda.start, b"[[[["))
+    assert mask.tolist() == [True, True, True, False]
+    mask = token_pda.token_mask(walk(pda, token_pda.start, b"[[[[["))
+    assert mask.tolist() == [False, True, False, False]
+
+
+def test_a_hopelessly_ambiguous_grammar_is_stopped_by_name():
+    """Every "x" can open either alternative: the ways to read x^n grow like Fibonacci numbers, and past
+    MAX_STACKS the parser refuses instead of growing without limit."""
+    pda = compiled(grammar='root ::= s\ns ::= "x" s "y" | "x" "x" s "z" | ""')
+    assert len(walk(pda, initial(pda), b"x" * 5)) == 21
+    with pytest.raises(TinyVLLMError, match="too ambiguous"):
+        walk(pda, initial(pda), b"x" * 20)
 
 
 # ---------------------------------------------------------------- token masks
