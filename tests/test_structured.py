@@ -92,11 +92,12 @@ def test_utf8_ranges_spell_exactly_the_characters(low, high, rng):
     (dict(choice=["a", 1]), "choice"), (dict(json={"type": "integer", "minimum": 3}), "'minimum'"),
     (dict(json={"type": "object", "properties": {"a": {"type": "str"}}}), "'str'"),
     (dict(json={"oneOf": [{"type": "integer"}]}), "'oneOf'"), (dict(json="{not json"), "not valid JSON"),
-    (dict(json={"$ref": "#/$defs/x", "$defs": {"x": {"type": "array", "items": {"$ref": "#/$defs/x"}}}}), "recursive"),
+    (dict(json={"$ref": "#/$defs/x", "$defs": {"x": {"anyOf": [{"$ref": "#/$defs/x"}, {"type": "null"}]}}}), "left-recursive"),
     (dict(json={"$ref": "#/$defs/missing"}), "points to nothing"), (dict(json={"type": "string", "format": "email"}), "email"),
     (dict(json={"type": "object", "properties": {}, "required": ["a"]}), "'a'"),
     (dict(json={"type": "array", "minItems": 3, "maxItems": 2}), "minItems"),
-    (dict(grammar="root ::= a\na ::= \"x\" root"), "recursive"), (dict(grammar="start ::= \"x\""), "root"),
+    (dict(grammar="root ::= a\na ::= a \"x\" | \"y\""), "left-recursive"), (dict(grammar="start ::= \"x\""), "root"),
+    (dict(grammar="root ::= a | \"y\"\na ::= \"(\" a \")\""), "matches no finite text"),
     (dict(grammar="root ::= missing"), "missing"),
 ])
 def test_a_bad_constraint_is_refused_naming_the_problem(kwargs, named):

@@ -14,6 +14,7 @@ from enum import Enum
 
 from tinyvllm.engine.sampling import Logprob, SamplingParams, rng_for
 from tinyvllm.engine.structured.token_dfa import Matcher, TokenDFA
+from tinyvllm.engine.structured.token_pda import TokenPDA
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.tokenizer import IncrementalDecoder, Tokenizer
 from tinyvllm.model.step_plan import Sampling
@@ -76,7 +77,7 @@ class Sequence:
     @classmethod
     def create(cls, seq_id: int, prompt_ids: list[int], params: SamplingParams, max_model_len: int,
                stop_ids: set[int], tokenizer: Tokenizer, incremental: bool = True,
-               detokenize: bool = True, constraint: TokenDFA | None = None) -> Sequence:
+               detokenize: bool = True, constraint: TokenDFA | TokenPDA | None = None) -> Sequence:
         """constraint: the compiled structured output the tokens must follow (None: free text)."""
         room = max_model_len - len(prompt_ids)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else stop_ids)

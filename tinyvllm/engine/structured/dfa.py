@@ -23,7 +23,7 @@ MAX_DFA_STATES = 20_000      # subset construction can blow up exponentially: re
 
 @dataclass
 class DFA:
-    transitions: np.ndarray  # (states, 256) int32: the next state for each byte; row DEAD is all DEAD
+    transitions: np.ndarray  # (states, 256) int32: the next state for each byte (and call symbol); row DEAD all DEAD
     accepting: np.ndarray    # (states,) bool
     start: int
 
@@ -41,19 +41,20 @@ class DFA:
         return bool(self.accepting[self.walk(self.start, data)])
 
 
-def compile_dfa(tree: Node) -> DFA:
-    """Regex tree -> NFA -> DFA over byte classes -> pruned -> minimised -> DFA over bytes."""
+def compile_dfa(tree: Node, alphabet: int = 256) -> DFA:
+    """Regex tree -> NFA -> DFA over byte classes -> pruned -> minimised -> DFA over bytes.
+    alphabet: 256 bytes, plus one symbol per rule when the tree is a grammar rule that calls others (pda.py)."""
     nfa = build_nfa(tree)
-    class_of, classes_of_move = byte_classes(nfa)
+    class_of, classes_of_move = byte_classes(nfa, alphabet)
     table, accepting = subsets(nfa, classes_of_move, int(class_of.max()) + 1)
     table, accepting, start = minimise(*prune(table, accepting))
     return DFA(np.ascontiguousarray(table[:, class_of]).astype(np.int32), accepting, start)
 
 
-def byte_classes(nfa: NFA) -> tuple[np.ndarray, list[list[tuple[list[int], int]]]]:
+def byte_classes(nfa: NFA, alphabet: int = 256) -> tuple[np.ndarray, list[list[tuple[list[int], int]]]]:
     """class_of[byte]: bytes in exactly the same move sets share a class. And every move as (classes, target)."""
     sets = list({values for moves in nfa.moves for values, _ in moves})
-    member = np.zeros((len(sets) + 1, 256), dtype=bool)   # + 1: no moves at all still gives one class
+    member = np.zeros((len(sets) + 1, alphabet), dtype=bool)   # + 1: no moves at all still gives one class
     for i, values in enumerate(sets):
         member[i, list(values)] = True
     _, class_of = np.unique(member.T, axis=0, return_inverse=True)

@@ -6,15 +6,17 @@
 
 Rules are `name ::= body`; a body has "literals", [character classes], rule names, ( groups ), | and the
 postfix * + ? {m,n}; # starts a comment. The output must match `root`. Rules are expanded in place, so a
-rule that reaches itself (recursion) is refused: it would need a pushdown automaton (json_schema.py says
-why we stop at regular languages).
+grammar without recursion is one regex tree, and runs as a DFA. A rule that reaches itself
+    value ::= "[" (value ("," value)*)? "]" | [0-9]+
+nests without a bound, which no DFA can follow: there the reference becomes a Call of the rule, the rule
+is compiled on its own, and the result is a Grammar of rules for the pushdown automaton (pda.py).
 """
 from __future__ import annotations
 
 import ast
 import re
 
-from tinyvllm.engine.structured.regex_ast import EMPTY, Node, Repeat, alt, literal, seq
+from tinyvllm.engine.structured.regex_ast import EMPTY, Call, Grammar, Node, Repeat, alt, literal, seq
 from tinyvllm.engine.structured.regex_parser import parse_regex
 from tinyvllm.errors import TinyVLLMError
 
@@ -23,14 +25,21 @@ TOKEN = re.compile(r'''\s+|\#[^\n]*|(?P<define>::=)|(?P<name>[A-Za-z][\w-]*)|(?P
 POSTFIX = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 
 
-def grammar_tree(text: str) -> Node:
-    """The regex tree of the texts the grammar's root rule matches."""
+def grammar_tree(text: str) -> Node | Grammar:
+    """The regex tree of the texts the grammar's root rule matches; a Grammar (rules[0] the root) when a rule
+    is recursive."""
     if not isinstance(text, str):
         raise TinyVLLMError(f"structured_outputs.grammar must be a string, got {text!r:.60}")
     rules = split_rules(tokenize(text))
     if "root" not in rules:
         raise TinyVLLMError("the grammar has no `root ::= ...` rule; the output must match root")
-    return Expander(rules).rule("root")
+    expander = Expander(rules)
+    trees = [expander.rule("root")]
+    if not expander.recursive:
+        return trees[0]
+    while len(trees) < len(expander.called):   # each rule called recursively gets its own tree; one may call more
+        trees.append(expander.rule(expander.called[len(trees)]))
+    return Grammar(tuple(trees), tuple(expander.called))
 
 
 def tokenize(text: str) -> list[tuple[str, str]]:
@@ -63,17 +72,22 @@ def split_rules(tokens: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]
 
 
 class Expander:
-    """Recursive descent over a rule's tokens; rule names are expanded in place."""
+    """Recursive descent over a rule's tokens; rule names are expanded in place, except a rule already being
+    expanded (recursion): that becomes a Call, and the rule joins `called`, Call(i) matching called[i]."""
 
     def __init__(self, rules: dict[str, list]):
         self.rules, self.open = rules, []
         self.tokens, self.at = [], 0
+        self.called, self.recursive = ["root"], False   # rule 0 is the root
 
     def rule(self, name: str) -> Node:
         if name not in self.rules:
             raise TinyVLLMError(f"the grammar uses the rule {name!r} but does not define it")
         if name in self.open:
-            raise TinyVLLMError(f"the grammar rule {name!r} is recursive; only non-recursive grammars are supported")
+            self.recursive = True
+            if name not in self.called:
+                self.called.append(name)
+            return Call(self.called.index(name))
         saved, self.tokens, self.at = (self.tokens, self.at), self.rules[name], 0
         self.open.append(name)
         tree = self.alternation()

@@ -2,10 +2,13 @@
 
 Why a regular expression, when JSON nests? Because a schema that does not refer to itself nests to a
 fixed depth: an object of arrays of objects is a regular language, and its DFA masks are cached per state.
-What nests without limit — "any JSON value" (json_object mode, an object without properties, an array
-without items) or a $ref to itself — is not regular: it needs a stack (a pushdown automaton). We cut it
-at ANY_JSON_DEPTH levels of nesting instead, and refuse recursive $refs by name; outlines made the same
-choice. The DFA then remembers the open brackets in its states (a bounded stack, spelled out).
+What nests without limit is not regular: it needs a stack (a pushdown automaton, pda.py).
+  - A $ref to a schema it is inside of (a tree node whose children are nodes) is kept exact: that
+    reference becomes a Call, the referenced schema a rule of its own, and schema_tree returns a Grammar
+    of rules for the pushdown automaton. Any depth is allowed (up to pda.MAX_NESTING rules open).
+  - "Any JSON value" (json_object mode, {}, an object without properties, an array without items) stays
+    regular: it is cut at ANY_JSON_DEPTH levels of nesting, as outlines does. The DFA remembers the open
+    brackets in its states (a bounded stack, spelled out), and its masks are cached per state.
 
 Layout: one optional space wherever JSON allows whitespace (what models write, and bounded: a model cannot
 fill the output with blanks). Objects list their properties in the schema's order; required ones always,
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from tinyvllm.engine.structured.regex_ast import EMPTY, Node, Repeat, alt, literal, optional, seq
+from tinyvllm.engine.structured.regex_ast import EMPTY, Call, Grammar, Node, Repeat, alt, literal, optional, seq
 from tinyvllm.engine.structured.regex_parser import parse_regex
 from tinyvllm.errors import TinyVLLMError
 
@@ -39,14 +42,21 @@ SCALARS = {"integer": INTEGER, "number": NUMBER, "boolean": alt(literal("true"),
            "null": literal("null")}
 
 
-def schema_tree(schema: dict | bool | str) -> Node:
-    """The regex tree of the JSON texts that validate against `schema` (a dict, or its JSON text)."""
+def schema_tree(schema: dict | bool | str) -> Node | Grammar:
+    """The regex tree of the JSON texts that validate against `schema` (a dict, or its JSON text); a Grammar
+    (rules[0] the whole schema) when a $ref is recursive."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise TinyVLLMError(f"the JSON schema is not valid JSON: {e}") from None
-    return SchemaCompiler(schema).tree(schema, "schema")
+    compiler = SchemaCompiler(schema)
+    rules = [compiler.tree(schema, "schema")]
+    if not compiler.recursive:
+        return rules[0]
+    while len(rules) < len(compiler.called):   # each $ref reached recursively is a rule; one may call more
+        rules.append(compiler.rule(compiler.called[len(rules)]))
+    return Grammar(tuple(rules), tuple(compiler.called))
 
 
 def any_json_object() -> Node:
@@ -57,7 +67,14 @@ def any_json_object() -> Node:
 class SchemaCompiler:
     def __init__(self, root):
         self.root = root
-        self.refs_open: list[str] = []        # the $refs being expanded: one seen again is recursion
+        self.refs_open = ["#"]                # the $refs being expanded: one seen again is recursion ("#": all)
+        self.called = ["#"]                   # the recursive $refs: Call(i) matches called[i]'s schema, 0 the root
+        self.recursive = False
+
+    def rule(self, ref: str) -> Node:
+        """The tree of a recursive $ref's schema, compiled on its own (its own reference inside: a Call)."""
+        self.refs_open = ["#", ref]
+        return self.tree(self.resolve(ref, ref), ref)
 
     def tree(self, schema, where: str) -> Node:
         if schema is True or schema == {}:
@@ -104,9 +121,11 @@ class SchemaCompiler:
     def reference(self, schema: dict, where: str) -> Node:
         ref = schema["$ref"]
         self.check_keywords(schema, {"$ref"}, where)
-        if ref in self.refs_open:
-            raise TinyVLLMError(f"the JSON schema at {where}: $ref {ref!r} refers to itself; recursive schemas are not "
-                                "supported (a finite automaton cannot count brackets without limit)")
+        if ref in self.refs_open:             # recursion: a call of the rule the pushdown automaton keeps for it
+            self.recursive = True
+            if ref not in self.called:
+                self.called.append(ref)
+            return Call(self.called.index(ref))
         self.refs_open.append(ref)
         try:
             return self.tree(self.resolve(ref, where), ref)

@@ -2,13 +2,14 @@
 
 Every node becomes a fragment with one entry and one exit state, glued by empty moves (epsilons):
 a sequence chains its fragments, an alternation fans out and back in, a repeat loops. States are
-numbers; byte moves are labelled with a set of bytes, so [a-z] is one move, not 26.
+numbers; byte moves are labelled with a set of bytes, so [a-z] is one move, not 26. A grammar rule's
+Call of another rule (pda.py) is a move too, labelled with a symbol past the 256 bytes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinyvllm.engine.structured.regex_ast import Alt, ByteSet, Node, Repeat, Seq
+from tinyvllm.engine.structured.regex_ast import CALL_BASE, Alt, ByteSet, Call, Node, Repeat, Seq
 from tinyvllm.errors import TinyVLLMError
 
 MAX_NFA_STATES = 200_000     # a{1000}{1000} would build a million states: refuse it instead
@@ -55,6 +56,8 @@ def fragment(nfa: NFA, node: Node) -> tuple[int, int]:
             nfa.epsilons[last].append(exit_)
     elif isinstance(node, Repeat):
         repeat(nfa, node, entry, exit_)
+    elif isinstance(node, Call):              # a call of another rule is one more symbol, past the bytes
+        nfa.moves[entry].append((frozenset([CALL_BASE + node.rule]), exit_))
     else:
         raise TypeError(f"not a regex node: {node!r}")
     return entry, exit_

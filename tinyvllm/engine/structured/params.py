@@ -2,8 +2,9 @@
 
 Exactly one of: json (a JSON schema, as a dict or its text), regex, choice (a list of strings), grammar
 (a small EBNF, grammar.py) or json_object=True (any JSON object). It is checked when the request arrives:
-the constraint is parsed into its regex tree, so a bad schema or an unsupported keyword is refused at once,
-by name. The engine compiles the tree into a token automaton (compiler.py), once per distinct constraint.
+the constraint is parsed into its regex tree (a Grammar of rules when it is recursive), so a bad schema or an
+unsupported keyword is refused at once, by name. The engine compiles the tree into a token automaton
+(compiler.py), once per distinct constraint.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 from tinyvllm.engine.structured.grammar import grammar_tree
 from tinyvllm.engine.structured.json_schema import any_json_object, schema_tree
-from tinyvllm.engine.structured.regex_ast import Node, alt, literal
+from tinyvllm.engine.structured.pda import check_grammar
+from tinyvllm.engine.structured.regex_ast import Grammar, Node, alt, literal
 from tinyvllm.engine.structured.regex_parser import parse_regex
 from tinyvllm.errors import TinyVLLMError
 
@@ -34,14 +36,17 @@ class StructuredOutputsParams:
                                 f"{', '.join(given) or 'none'}")
         if self.json_object not in (None, True, False):
             raise TinyVLLMError(f"structured_outputs.json_object must be true or false, got {self.json_object!r:.40}")
-        self.tree()   # parse now: a bad constraint is the request's mistake, refused before it is queued
+        tree = self.tree()   # parse now: a bad constraint is the request's mistake, refused before it is queued
+        if isinstance(tree, Grammar):
+            check_grammar(tree)
 
     @property
     def kind(self) -> str:
         return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
 
-    def tree(self) -> Node:
-        """The constraint as a regex tree over bytes."""
+    def tree(self) -> Node | Grammar:
+        """The constraint as a regex tree over bytes; a Grammar of rules when a grammar rule or a $ref is
+        recursive (the pushdown automaton's input)."""
         if self.kind == "json":
             return schema_tree(self.json)
         if self.kind == "regex":

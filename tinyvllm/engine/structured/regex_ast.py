@@ -37,8 +37,24 @@ class Repeat:
     separator: object = None
 
 
-Node = ByteSet | Seq | Alt | Repeat
+@dataclass(frozen=True)
+class Call:
+    """A text that rule number `rule` of a Grammar matches: how a rule refers to a recursive rule (pda.py).
+    On an automaton's edge it is the symbol CALL_BASE + rule, after the 256 bytes."""
+    rule: int
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """Rules that call each other, for a constraint that is recursive (it nests without a bound): rules[0] is
+    the root, Call(i) in any rule matches rules[i]. names[i] says which rule it is, for error messages."""
+    rules: tuple
+    names: tuple
+
+
+Node = ByteSet | Seq | Alt | Repeat | Call
 EMPTY = Seq(())
+CALL_BASE = 256              # edge symbols 0..255 are bytes; CALL_BASE + i calls rule i
 
 
 def literal(text: str | bytes) -> Node:

@@ -8,11 +8,16 @@ only in accepting states: the output may end exactly when it is complete.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from tinyvllm.engine.structured.dfa import DEAD, DFA
 from tinyvllm.engine.structured.vocabulary import Vocabulary, token_states
 from tinyvllm.errors import TinyVLLMError
+
+if TYPE_CHECKING:
+    from tinyvllm.engine.structured.token_pda import TokenPDA
 
 
 class TokenDFA:
@@ -22,6 +27,22 @@ class TokenDFA:
         self.dfa, self.vocab = dfa, vocab
         self._masks: dict[int, np.ndarray] = {}                        # state -> its tokens, stop tokens aside
         self._with_stops: dict[tuple[int, frozenset[int]], np.ndarray] = {}   # accepting state, stops -> mask
+
+    @property
+    def start(self) -> int:
+        return self.dfa.start
+
+    @property
+    def num_states(self) -> int:
+        return self.dfa.num_states
+
+    def accepts(self, state: int) -> bool:
+        return bool(self.dfa.accepting[state])
+
+    def after(self, state: int, data: bytes) -> int | None:
+        """The state after `data`; None when the bytes leave the language."""
+        following = self.dfa.walk(state, data)
+        return None if following == DEAD else following
 
     def token_mask(self, state: int) -> np.ndarray:
         """(vocab,) bool: the tokens whose bytes keep the DFA alive from `state` (computed once per state)."""
@@ -43,35 +64,36 @@ class TokenDFA:
 
 
 class Matcher:
-    """One sequence's place in a constraint: advanced on every sampled token, asked for the next mask."""
+    """One sequence's place in a constraint: advanced on every sampled token, asked for the next mask. The
+    constraint is a TokenDFA (its state: a DFA state) or a TokenPDA (token_pda.py; its state: a set of stacks)."""
 
-    def __init__(self, token_dfa: TokenDFA, stop_ids: set[int]):
-        self.token_dfa, self.stop_ids = token_dfa, frozenset(stop_ids)
-        self.state = token_dfa.dfa.start
+    def __init__(self, constraint: TokenDFA | TokenPDA, stop_ids: set[int]):
+        self.constraint, self.stop_ids = constraint, frozenset(stop_ids)
+        self.state = constraint.start
 
     @property
     def accepting(self) -> bool:
-        return bool(self.token_dfa.dfa.accepting[self.state])
+        return self.constraint.accepts(self.state)
 
     def allowed(self) -> np.ndarray:
         """(vocab,) bool: the tokens the sampler may draw next. Never empty: a live state always continues."""
-        mask = self.token_dfa.allowed(self.state, self.stop_ids)
-        if not self.accepting and not self.token_dfa.token_mask(self.state).any():
+        mask = self.constraint.allowed(self.state, self.stop_ids)
+        if not self.accepting and not self.constraint.token_mask(self.state).any():
             raise TinyVLLMError("no token of this vocabulary can continue the structured output here "
                                 "(the constraint needs bytes that no token spells)")
         return mask
 
     def must_stop(self) -> bool:
         """The output is complete and no token but a stop token could follow: end it now ("stop")."""
-        return self.accepting and not self.token_dfa.token_mask(self.state).any()
+        return self.accepting and not self.constraint.token_mask(self.state).any()
 
     def advance(self, token: int) -> None:
         """Move past a sampled token; a token the mask did not allow is a bug, and raises."""
         if token in self.stop_ids and self.accepting:
             return
-        data = self.token_dfa.vocab.tokens[token] if token < self.token_dfa.vocab.size else None
-        following = DEAD if data is None else self.token_dfa.dfa.walk(self.state, data)
-        if following == DEAD:
+        data = self.constraint.vocab.tokens[token] if token < self.constraint.vocab.size else None
+        following = None if data is None else self.constraint.after(self.state, data)
+        if following is None:
             raise TinyVLLMError(f"token {token} breaks the structured output: the sampler drew a token its mask "
                                 "did not allow")
         self.state = following
