@@ -183,7 +183,7 @@ def test_a_prefix_read_from_the_pool_gives_the_same_logits(model_dir):
         assert np.array_equal(rest.view(np.uint32), whole[cached:].view(np.uint32)), f"cached {cached}, seed {seed}"
 
 
-def greedy(llm, prompts, params):
+def generated(llm, prompts, params):   # the tokens and logprobs each prompt gets
     outs = llm.generate(prompts, params)
     return [o.outputs[0].token_ids for o in outs], [[sorted(d.items()) for d in o.outputs[0].logprobs] for o in outs]
 
@@ -196,13 +196,30 @@ def test_greedy_alone_and_together_are_the_same_bits(model_dir):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     llm = LLM(str(model_dir), device="cuda", num_blocks=1200, max_num_seqs=32, batch_invariant=True,
               enable_prefix_caching=False)
-    alone = [greedy(llm, [p], params) for p in prompts]
-    tokens, logprobs = greedy(llm, prompts, params)
+    alone = [generated(llm, [p], params) for p in prompts]
+    tokens, logprobs = generated(llm, prompts, params)
     other_tokens = [i for i, (t, _) in enumerate(alone) if t[0] != tokens[i]]
     other_logprobs = [i for i, (_, lp) in enumerate(alone) if lp[0] != logprobs[i]]
     assert not other_tokens and not other_logprobs, \
         f"alone vs together: tokens differ for prompts {other_tokens}, logprobs for {other_logprobs}; seed {seed}"
     cached = LLM(str(model_dir), device="cuda", num_blocks=1200, max_num_seqs=32, batch_invariant=True,
                  enable_prefix_caching=True)
-    greedy(cached, prompts[:8], params)                     # their full blocks are now in the prefix cache
-    assert greedy(cached, prompts, params) == (tokens, logprobs), f"prefix cache hits changed bits, seed {seed}"
+    generated(cached, prompts[:8], params)                     # their full blocks are now in the prefix cache
+    assert generated(cached, prompts, params) == (tokens, logprobs), f"prefix cache hits changed bits, seed {seed}"
+
+
+def test_sampled_alone_and_together_are_the_same_tokens(model_dir):
+    """Seeded sampling at temperature 0.8: a request's tokens and logprobs alone equal those it gets among 32 — the
+    mode draws its sampled rows together (kernels/sample_rows.cu), each in an order of its own."""
+    from tinyvllm import LLM, SamplingParams
+    seed = 29
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, DIMS["vocab_size"], int(rng.integers(5, 300))).tolist() for _ in range(32)]
+    params = [SamplingParams(temperature=0.8, seed=seed + i, max_tokens=24, ignore_eos=True, logprobs=3)
+              for i in range(len(prompts))]
+    llm = LLM(str(model_dir), device="cuda", num_blocks=1200, max_num_seqs=32, batch_invariant=True,
+              enable_prefix_caching=False)
+    alone = [generated(llm, [p], [q]) for p, q in zip(prompts, params)]
+    tokens, logprobs = generated(llm, prompts, params)
+    other = [i for i, (t, lp) in enumerate(alone) if t[0] != tokens[i] or lp[0] != logprobs[i]]
+    assert not other, f"alone vs together: prompts {other} differ; seed {seed}"

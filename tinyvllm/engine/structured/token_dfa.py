@@ -26,6 +26,7 @@ class TokenDFA:
     def __init__(self, dfa: DFA, vocab: Vocabulary):
         self.dfa, self.vocab = dfa, vocab
         self._masks: dict[int, np.ndarray] = {}                        # state -> its tokens, stop tokens aside
+        self._continues: dict[int, bool] = {}                          # state -> whether any token continues it
         self._with_stops: dict[tuple[int, frozenset[int]], np.ndarray] = {}   # accepting state, stops -> mask
 
     @property
@@ -43,6 +44,12 @@ class TokenDFA:
         """The state after `data`; None when the bytes leave the language."""
         following = self.dfa.walk(state, data)
         return None if following == DEAD else following
+
+    def continues(self, state: int) -> bool:
+        """Whether some token continues from `state` (asked every step: kept, not re-counted over the vocabulary)."""
+        if state not in self._continues:
+            self._continues[state] = bool(self.token_mask(state).any())
+        return self._continues[state]
 
     def token_mask(self, state: int) -> np.ndarray:
         """(vocab,) bool: the tokens whose bytes keep the DFA alive from `state` (computed once per state)."""
@@ -78,14 +85,14 @@ class Matcher:
     def allowed(self) -> np.ndarray:
         """(vocab,) bool: the tokens the sampler may draw next. Never empty: a live state always continues."""
         mask = self.constraint.allowed(self.state, self.stop_ids)
-        if not self.accepting and not self.constraint.token_mask(self.state).any():
+        if not self.accepting and not self.constraint.continues(self.state):
             raise TinyVLLMError("no token of this vocabulary can continue the structured output here "
                                 "(the constraint needs bytes that no token spells)")
         return mask
 
     def must_stop(self) -> bool:
         """The output is complete and no token but a stop token could follow: end it now ("stop")."""
-        return self.accepting and not self.constraint.token_mask(self.state).any()
+        return self.accepting and not self.constraint.continues(self.state)
 
     def advance(self, token: int) -> None:
         """Move past a sampled token; a token the mask did not allow is a bug, and raises."""

@@ -104,6 +104,10 @@ class TokenPDA:
             if not mask[token] and walk(self.pda, frozenset([stack]), self.vocab.tokens[token]):
                 mask[token] = True
 
+    def continues(self, config: Config) -> bool:
+        """Whether some token leaves a stack alive (its mask is cached, so this is one pass over it)."""
+        return bool(self.token_mask(config).any())
+
     def allowed(self, config: Config, stop_ids: frozenset[int]) -> np.ndarray:
         """token_mask, and the stop tokens when the root rule may end here."""
         if not self.accepts(config):
