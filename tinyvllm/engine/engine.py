@@ -67,6 +67,7 @@ class Engine:
         step buffers, the KV pool in the memory that is left (chapter 6), CUDA graphs (chapter 7)."""
         device, model_dir = ModelRunner.resolve_device(config.device), resolve_model(config.model)
         cfg = load_config(model_dir)  # a bad config.json is reported before anything else is read
+        config.check_model(cfg)
         tokenizer = load_tokenizer(model_dir)
         model_len = cfg.context_window(config.max_model_len)
         runner = ModelRunner.load(model_dir, device, model_len, config.step_tokens(device, cfg), config.num_blocks,

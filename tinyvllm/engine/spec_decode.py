@@ -11,6 +11,8 @@ tokens for about the cost of one when decode is memory-bound — and the same to
 A proposer makes the guesses. Here: prompt lookup (n-gram matching), which needs no model at all. It
 shines when the answer repeats its input (editing a text, answering about a document, code): the last
 few tokens of the sequence are looked up in what came before, and what followed them there is proposed.
+And early exit (self-speculation): the model's own first layers guess, in the step itself (model/early_exit.py);
+here it only says how many guesses, as placeholders the model runner fills in.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from tinyvllm.engine.sequence import Sequence
 
 
 class Proposer(Protocol):
+    num_draft_layers: int   # 0: propose() returns real guesses; L > 0: placeholders, drafted by the first L layers
+
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to k tokens that may follow seq's tokens (fewer, or none, when it has no guess)."""
         ...
@@ -33,6 +37,7 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup (vLLM's "ngram" method): find the sequence's last n tokens earlier in its prompt and
     output, trying n = max_n first, then shorter; propose the tokens that followed the most recent match."""
+    num_draft_layers = 0   # its guesses are real tokens
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -46,6 +51,22 @@ class NgramProposer:
                 follow = matches[-1] + n   # the most recent: the text nearest to where we are
                 return tokens[follow:follow + k].tolist()
         return []
+
+
+DRAFTED = 0   # a placeholder proposal: the model runner replaces it with the early-exit draft's guess
+
+
+class EarlyExitProposer:
+    """Self-speculation ("early_exit", LayerSkip's name): the guesses are the argmax of the model's first
+    num_draft_layers layers followed by its final norm and LM head. They need the model, which runs in the step,
+    so the scheduler plans k placeholders (their slots, their place in the budget) and the step's plan tells
+    the runner to draft them (StepPlan.draft_layers): the plan stays one call through the one door."""
+
+    def __init__(self, num_draft_layers: int):
+        self.num_draft_layers = num_draft_layers
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return [DRAFTED] * k   # always k guesses: the draft has one for every position
 
 
 # Never lose (chapter 10): a verification of k proposals costs more than a decode step (on a 2-core CPU, k = 4, about
@@ -91,6 +112,8 @@ def make_proposer(config: EngineConfig) -> Proposer | None:
     """The proposer the settings ask for (speculative_method, checked by EngineConfig); None: speculation off."""
     if config.speculative_method is None:
         return None
+    if config.speculative_method == "early_exit":
+        return EarlyExitProposer(config.num_draft_layers)
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
