@@ -77,6 +77,14 @@ MIN_EVIDENCE = 8     # proposed tokens before a sequence's rate is trusted
 REST_STEPS = 16      # decode steps without proposals before it tries again (the text may start repeating later)
 
 
+# Never lose at large batch: a verification pays when the step is memory-bound (its k + 1 tokens read the weights
+# once, as one token would). With many sequences decoding the step is compute-bound already: each proposal then
+# costs about a token's full compute, and most are rejected. So with more than this many decoding sequences in a
+# step, no sequence proposes. On a GPU decode stops being memory-bound around batch 64-128 (chapter 5: the H200's
+# FLOPs over its bandwidth, ~300 FLOPs per byte, 2 per weight per row for bf16); on the CPU, SAMPLE.
+MAX_SPECULATING_BATCH = {"cpu": 8, "cuda": 64}
+
+
 class SpeculationGate:
     """Per sequence: its proposed and kept tokens since it last rested; a sequence under MIN_ACCEPTANCE after
     MIN_EVIDENCE proposed tokens rests REST_STEPS steps (plain decoding), then starts counting afresh."""
