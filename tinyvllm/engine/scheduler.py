@@ -172,7 +172,7 @@ class Scheduler:
                                                        # proposals count after it: Scheduler.verified)
         for seq, planned in zip(step.sequences, prefills + verifies + decodes):
             planned.sampling = seq.sampling if seq.num_computed == len(seq) else None   # a prompt's last chunk, a decode
-        draft_layers = self.proposer.num_draft_layers if self.proposer is not None else 0   # early exit: > 0
+        draft_layers = getattr(self.proposer, "num_draft_layers", 0)   # early exit's placeholders; others: real tokens
         step.plan = StepPlan(prefills, verifies, decodes, draft_layers)
 
     def _make_room(self, seq: Sequence, blocks: int, step: Step) -> int:

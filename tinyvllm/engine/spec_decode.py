@@ -27,8 +27,6 @@ from tinyvllm.engine.sequence import Sequence
 
 
 class Proposer(Protocol):
-    num_draft_layers: int   # 0: propose() returns real guesses; L > 0: placeholders, drafted by the first L layers
-
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to k tokens that may follow seq's tokens (fewer, or none, when it has no guess)."""
         ...
@@ -37,7 +35,6 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup (vLLM's "ngram" method): find the sequence's last n tokens earlier in its prompt and
     output, trying n = max_n first, then shorter; propose the tokens that followed the most recent match."""
-    num_draft_layers = 0   # its guesses are real tokens
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -60,7 +57,8 @@ class EarlyExitProposer:
     """Self-speculation ("early_exit", LayerSkip's name): the guesses are the argmax of the model's first
     num_draft_layers layers followed by its final norm and LM head. They need the model, which runs in the step,
     so the scheduler plans k placeholders (their slots, their place in the budget) and the step's plan tells
-    the runner to draft them (StepPlan.draft_layers): the plan stays one call through the one door."""
+    the runner to draft them (StepPlan.draft_layers, from num_draft_layers: a proposer without that attribute
+    proposes real tokens): the plan stays one call through the one door."""
 
     def __init__(self, num_draft_layers: int):
         self.num_draft_layers = num_draft_layers
@@ -77,12 +75,17 @@ MIN_EVIDENCE = 8     # proposed tokens before a sequence's rate is trusted
 REST_STEPS = 16      # decode steps without proposals before it tries again (the text may start repeating later)
 
 
-# Never lose at large batch: a verification pays when the step is memory-bound (its k + 1 tokens read the weights
-# once, as one token would). With many sequences decoding the step is compute-bound already: each proposal then
-# costs about a token's full compute, and most are rejected. So with more than this many decoding sequences in a
-# step, no sequence proposes. On a GPU decode stops being memory-bound around batch 64-128 (chapter 5: the H200's
-# FLOPs over its bandwidth, ~300 FLOPs per byte, 2 per weight per row for bf16); on the CPU, SAMPLE.
-MAX_SPECULATING_BATCH = {"cpu": 8, "cuda": 64}
+# Never lose at large batch: a verification pays while its step is memory-bound (its k + 1 rows per sequence read
+# the weights once, as one row would). With many sequences decoding, the step is compute-bound already: each guess
+# then costs about a token's full arithmetic, and the rejected ones are work thrown away. So with more than this
+# many sequences decoding in a step, none proposes (vLLM's disable_by_batch_size). What sets it, for k = 4:
+#   cuda: the H200 turns compute-bound at ~185 tokens a step (768 TFLOP/s over 4.15 TB/s, chapter 10, section 7);
+#         a decode step alone stays under that to batch ~128, but a verification is 5 rows a sequence: 185 / 5 = 37.
+#   cpu:  measured on 2 shared cores, SmolLM2-135M (python bench/verify_cost.py --rounds 6,
+#         bench/results/verify-cost-cpu-20261203-130124.json): up to batch 8 a 4-guess verification costs 1.3-1.7
+#         decode steps; from batch 16 decode's tokens/s stop growing and it costs 2.7-3.7, about what it emits on
+#         average at best (3.6 tokens on grounded text), so it cannot win there.
+MAX_SPECULATING_BATCH = {"cpu": 8, "cuda": 32}
 
 
 class SpeculationGate:
