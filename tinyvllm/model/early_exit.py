@@ -9,7 +9,7 @@ runs as assistant_early_exit=L). No second model is loaded, and the draft needs 
 
 So the draft writes layers 0 .. L - 1 of the very pool slots that the verification then overwrites, all layers,
 at positions p .. p + k - 1: the scheduler allocated them for the verification's 1 + k tokens already. A draft
-pass at position p + j reads layers < L of positions < p + j: the sequence's own K/V (the pool) and the draft's
+pass at position p + j reads layers < L at positions up to p + j: the sequence's own K/V (the pool) and the draft's
 earlier guesses (written by the passes before it), exactly what the cut-short model would read.
 
 Drafting k guesses is k one-token passes through L layers (and the full LM head each time: with a large vocabulary
