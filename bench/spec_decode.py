@@ -1,13 +1,17 @@
-"""What speculative decoding (prompt lookup) buys, on the CPU or a GPU, and where it does not.
+"""What speculative decoding (prompt lookup, or early exit) buys, on the CPU or a GPU, and where it does not.
 
     python bench/spec_decode.py [--model default] [--device cpu] [--tokens 96] [--runs 3] [--k 4]
+                                [--method ngram | --method early_exit --draft-layers 24] [--batch 1]
+                                [--no-batch-limit]
 
 Two workloads, each a few chat requests run one at a time (batch 1: the latency a user sees), greedy:
   grounded   the answer repeats its input: repeat a paragraph, fix a typo in code, rename a variable
              (prompt lookup finds the next tokens in the prompt);
   free-form  the answer is new text (stories, explanations): few n-gram matches.
-Each workload runs with speculation off and on (speculative_method="ngram", k proposals per step), --runs
-times, alternating, so a neighbour that loads the CPU for a while slows both. Reported per workload and
+Each workload runs with speculation off and on (speculative_method --method, k proposals per step), --runs
+times, alternating, so a neighbour that loads the CPU for a while slows both. With --batch B, each run sends B
+requests at once (the workload's prompts, repeated) instead of one at a time; speculation then stops above
+the engine's MAX_SPECULATING_BATCH decoding sequences, unless --no-batch-limit. Reported per workload and
 mode: output tokens per second (median and spread), and with speculation the acceptance rate and the mean
 tokens a verification emits; also whether the tokens were the same with and without speculation (they
 must be). Writes bench/results/spec-decode-<device>-<date>-<time>.json; asserts nothing.
@@ -55,12 +59,16 @@ WORKLOADS = {
 }
 
 
-def run_once(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int, list[list[int]]]:
-    """Each prompt alone (batch 1), in turn: (seconds, output tokens, the output ids)."""
+def run_once(llm: LLM, prompts: list[str], params: SamplingParams, batch: int = 1) -> tuple[float, int, list[list[int]]]:
+    """Batch 1: each prompt alone, in turn; else `batch` requests at once, the prompts repeated in turn.
+    Returns (seconds, output tokens, the output ids)."""
+    conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+    if batch > 1:
+        conversations = [conversations[i % len(conversations)] for i in range(batch)]
+    groups = [[c] for c in conversations] if batch == 1 else [conversations]
     outputs, start = [], time.perf_counter()
-    for prompt in prompts:
-        [out] = llm.chat([{"role": "user", "content": prompt}], params)
-        outputs.append(out.outputs[0].token_ids)
+    for group in groups:
+        outputs += [out.outputs[0].token_ids for out in llm.chat(group, params)]
     return time.perf_counter() - start, sum(map(len, outputs)), outputs
 
 
@@ -68,32 +76,38 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
-def bench(model: str, device: str, tokens: int, runs: int, k: int) -> dict:
+def bench(model: str, device: str, tokens: int, runs: int, k: int, method: str = "ngram",
+          draft_layers: int | None = None, batch: int = 1, batch_limit: bool = True) -> dict:
     params = SamplingParams(temperature=0, max_tokens=tokens)
     share = {"num_blocks": 4096} if device == "cuda" else {}   # two engines share the GPU: a pool each, not 90% each
+    speculation = {"method": method, "num_speculative_tokens": k}
+    if method == "early_exit":
+        speculation["num_draft_layers"] = draft_layers
     llms = {"off": LLM(model, device=device, **share),
-            "ngram": LLM(model, device=device, speculative_method="ngram", num_speculative_tokens=k, **share)}
+            method: LLM(model, device=device, speculative_config=speculation, **share)}   # keyed by the method
+    if not batch_limit:   # what a large batch's speculation costs: the rule that turns it off, off
+        llms[method].engine.scheduler.max_speculating_batch = None
     for llm in llms.values():
         run_once(llm, ["Hello"], SamplingParams(temperature=0, max_tokens=4))   # warm up
     results = {}
     for name, prompts in WORKLOADS.items():
         rates, outputs = {mode: [] for mode in llms}, {}
-        stats_before = vars(llms["ngram"].engine.spec_stats).copy()
+        stats_before = vars(llms[method].engine.spec_stats).copy()
         for _ in range(runs):
             for mode, llm in llms.items():    # alternating: a noisy neighbour slows both modes alike
-                seconds, count, outputs[mode] = run_once(llm, prompts, params)
+                seconds, count, outputs[mode] = run_once(llm, prompts, params, batch)
                 rates[mode].append(count / seconds)
-        spec = llms["ngram"].engine.spec_stats
+        spec = llms[method].engine.spec_stats
         proposed, accepted, verifications = (getattr(spec, f) - stats_before[f]
                                              for f in ("proposed", "accepted", "verifications"))
         results[name] = {
             "tokens_per_s": {mode: spread(r) for mode, r in rates.items()},
-            "speedup_median": statistics.median(rates["ngram"]) / statistics.median(rates["off"]),
+            "speedup_median": statistics.median(rates[method]) / statistics.median(rates["off"]),
             "acceptance_rate": accepted / proposed if proposed else 0.0,
             "mean_tokens_per_verification": 1 + accepted / verifications if verifications else 0.0,
             "proposed": proposed, "accepted": accepted, "verifications": verifications,
             "output_tokens_per_run": sum(map(len, outputs["off"])),
-            "same_tokens": outputs["off"] == outputs["ngram"]}
+            "same_tokens": outputs["off"] == outputs[method]}
     for llm in llms.values():
         llm.close()
     return results
@@ -106,20 +120,29 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="max_tokens per request")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--method", default="ngram", choices=["ngram", "early_exit"], help="speculative_method")
+    parser.add_argument("--draft-layers", type=int, default=24, help="early_exit: num_draft_layers")
+    parser.add_argument("--batch", type=int, default=1, help="requests at once (1: one at a time)")
+    parser.add_argument("--no-batch-limit", action="store_true",
+                        help="speculate at any batch (the engine stops above MAX_SPECULATING_BATCH decoding sequences)")
     parser.add_argument("--out", help="where to write the JSON (default: bench/results/spec-decode-<device>-<time>.json)")
     args = parser.parse_args()
     load_at_start = os.getloadavg()
-    results = bench(args.model, args.device, args.tokens, args.runs, args.k)
+    draft_layers = args.draft_layers if args.method == "early_exit" else None
+    results = bench(args.model, args.device, args.tokens, args.runs, args.k, args.method, draft_layers, args.batch,
+                    not args.no_batch_limit)
     for name, r in results.items():
-        off, on = r["tokens_per_s"]["off"], r["tokens_per_s"]["ngram"]
+        off, on = r["tokens_per_s"]["off"], r["tokens_per_s"][args.method]
         print(f"{name:9s} off {off['median']:6.1f} tok/s [{off['min']:.1f}, {off['max']:.1f}]   "
-              f"ngram k={args.k} {on['median']:6.1f} tok/s [{on['min']:.1f}, {on['max']:.1f}]   "
+              f"{args.method} k={args.k} {on['median']:6.1f} tok/s [{on['min']:.1f}, {on['max']:.1f}]   "
               f"x{r['speedup_median']:.2f}   acceptance {r['acceptance_rate']:.0%}, "
               f"{r['mean_tokens_per_verification']:.2f} tokens per verification, same tokens: {r['same_tokens']}")
     write_result(f"spec-decode-{args.device}", {
         "benchmark": "spec_decode", "device": args.device, "model": args.model,
-        "workload": {"requests": {name: len(p) for name, p in WORKLOADS.items()}, "batch": 1, "greedy": True,
-                     "max_tokens": args.tokens, "runs": args.runs, "num_speculative_tokens": args.k},
+        "workload": {"requests": {name: max(len(p), args.batch) for name, p in WORKLOADS.items()},
+                     "batch": args.batch, "greedy": True, "max_tokens": args.tokens, "runs": args.runs,
+                     "method": args.method, "num_speculative_tokens": args.k, "num_draft_layers": draft_layers,
+                     "batch_limit": not args.no_batch_limit},
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count(),
                     "python": platform.python_version(), "numpy": np.__version__, "threads": thread_settings(),
                     "load_average_at_start": load_at_start},

@@ -465,3 +465,112 @@ def test_a_structured_output_is_never_speculated_and_still_matches(speculating, 
     outs = speculating.generate(random_prompts(rng, 4), params)
     assert not any(verified), "a structured output got proposals"
     assert re.fullmatch(pattern, outs[0].outputs[0].text), outs[0].outputs[0].text
+
+
+# ---- early exit (self-speculation): the model's first layers draft, the whole model verifies ----
+
+def early_exit(model_dir, layers: int = 1, invariant: bool = True, **settings) -> LLM:
+    return make_llm(model_dir, invariant, speculative_config={"method": "early_exit", "num_speculative_tokens": K,
+                                                              "num_draft_layers": layers}, **settings)
+
+
+@pytest.mark.parametrize("layers, message", [
+    (None, "early_exit needs num_draft_layers"),
+    (0, "num_draft_layers must be a positive"),
+    (2, "num_draft_layers must be 1 to 1 for this model of 2 layers"),
+])
+def test_a_wrong_draft_depth_is_one_line(tiny_model_dir, layers, message):
+    config = {"method": "early_exit", "num_draft_layers": layers}
+    with pytest.raises(TinyVLLMError, match=message) as caught:
+        LLM(str(tiny_model_dir), device="cpu", speculative_config={k: v for k, v in config.items() if v is not None})
+    assert "\n" not in str(caught.value)
+
+
+def test_the_cli_refuses_a_draft_as_deep_as_the_model_in_one_line(tiny_model_dir):
+    from tests.test_cli import assert_user_error, tinyvllm
+    assert_user_error(tinyvllm("generate", "hi", "--model", str(tiny_model_dir), "--device", "cpu",
+                               "--speculative-config", '{"method": "early_exit", "num_draft_layers": 2}', check=False),
+                      "num_draft_layers must be 1 to 1")
+
+
+@pytest.fixture(scope="module")
+def self_speculating(tiny_model_dir):
+    return early_exit(tiny_model_dir)
+
+
+@pytest.mark.parametrize("round", range(2))
+def test_early_exit_gives_the_answer_of_plain_decoding(plain, self_speculating, rng, round):
+    """Random prompts and settings (greedy and seeded sampling, penalties, logprobs), one batch: bit for bit the same
+    ids, logprobs and finish reasons as without speculation, whatever the one-layer draft guesses."""
+    prompts, params = random_prompts(rng, 8), mixed_params(rng, 8)
+    before = SpecDecodeStats(**vars(self_speculating.engine.spec_stats))
+    want, got = run(plain, prompts, params), run(self_speculating, prompts, params)
+    assert not differences(want, got)
+    assert self_speculating.engine.spec_stats.proposed > before.proposed, "nothing was speculated"
+
+
+def test_early_exit_in_the_default_mode_gives_the_same_greedy_tokens(tiny_model_dir, rng):
+    prompts = random_prompts(rng, 6)
+    params = [replace(p, temperature=0.0, seed=None) for p in mixed_params(rng, 6)]
+    want = run(make_llm(tiny_model_dir, invariant=False), prompts, params)
+    llm = early_exit(tiny_model_dir, invariant=False)
+    assert not differences(want, run(llm, prompts, params), exact=False)
+    assert llm.engine.spec_stats.accepted > 0
+
+
+def test_the_drafts_kv_is_the_verifications_so_the_draft_needs_no_cache(tmp_path, rng, monkeypatch):
+    """The draft writes layers < L of the slots the verification then overwrites, all layers: for those layers
+    and the same tokens it writes the same K/V (bit for bit in the batch-invariant mode), which is why the draft
+    needs no cache of its own. A 3-layer model, a 2-layer draft: layer 1's K/V depend on the context too."""
+    import tinyvllm.model.runner as runner
+    from tests.conftest import TINY_DIMS
+    from tinyvllm.formats.checkpoints import synth_model
+    model_dir = synth_model("smollm2-135m", tmp_path / "three", seed=5, **{**TINY_DIMS, "num_hidden_layers": 3})
+    llm = early_exit(model_dir, layers=2)
+    drafted = []
+
+    def recording(model, pool, plan):
+        plan = with_drafts(model, pool, plan)
+        slots = [slot for s in plan.verifies for slot in s.slots[:s.proposed]]   # positions p .. p + k - 1
+        drafted.append((slots, [(pool.k[i][slots].copy(), pool.v[i][slots].copy()) for i in range(2)]))
+        return plan
+    with_drafts = runner.with_drafts
+    monkeypatch.setattr(runner, "with_drafts", recording)
+    llm.add_request(random_prompts(rng, 1)[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while not drafted:
+        llm.engine.step()
+    slots, written = drafted[0]
+    for layer, (k, v) in enumerate(written):
+        assert np.array_equal(llm.engine.pool.k[layer][slots], k) and np.array_equal(llm.engine.pool.v[layer][slots], v)
+
+
+def test_early_exit_on_the_default_model_gives_the_answer_of_plain_decoding(default_model_dir):
+    """SmolLM2-135M (30 layers), a 24-layer draft, three prompts in one batch: bit for bit in the batch-invariant mode."""
+    plain = make_llm(default_model_dir, num_blocks=32)
+    prompts = [plain.tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):",
+                                                          "Once upon a time, a small robot")]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)] * len(prompts)
+    want = run(plain, prompts, params)
+    llm = early_exit(default_model_dir, layers=24, num_blocks=32)
+    assert not differences(want, run(llm, prompts, params))
+    assert llm.engine.spec_stats.proposed > 0
+
+
+# ---- never lose at large batch ----
+
+def test_a_large_batch_proposes_nothing_and_a_small_one_does(self_speculating, rng, monkeypatch):
+    """More than max_speculating_batch sequences decoding (MAX_SPECULATING_BATCH: the step is compute-bound):
+    nobody proposes; once the longer answers run alone, they do."""
+    scheduler, planned = self_speculating.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording():
+        step = schedule()
+        planned.append((len(step.decodes) + len(step.verifies), len(step.verifies)))
+        return step
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    monkeypatch.setattr(scheduler, "max_speculating_batch", 3)
+    params = [SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True) for tokens in (6, 8, 10, 30, 30)]
+    run(self_speculating, random_prompts(rng, 5), params)
+    assert all(not verifying for decoding, verifying in planned if decoding > 3), planned
+    assert any(verifying for decoding, verifying in planned if decoding <= 3), "a small batch never proposed"

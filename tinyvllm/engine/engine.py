@@ -28,7 +28,7 @@ from tinyvllm.engine.scheduler import Scheduler, Step
 from tinyvllm.engine.sequence import Sequence, Status, check_prompt
 from tinyvllm.engine.step_record import StepRecord
 from tinyvllm.engine.structured.compiler import StructuredOutputCompiler
-from tinyvllm.engine.spec_decode import SpecDecodeStats, make_proposer
+from tinyvllm.engine.spec_decode import MAX_SPECULATING_BATCH, SpecDecodeStats, make_proposer
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.formats.config import load_config
@@ -53,7 +53,8 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_token_ids) | set(runner.model.cfg.eos_token_ids)
         self.scheduler = Scheduler(runner.pool.num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching, config.long_prefill_token_threshold,
-                                   make_proposer(config), config.num_speculative_tokens)
+                                   make_proposer(config), config.num_speculative_tokens,
+                                   MAX_SPECULATING_BATCH[config.device])
         self.structured = StructuredOutputCompiler(tokenizer.token_bytes, runner.model.cfg.vocab_size)
         self.spec_stats = SpecDecodeStats()   # chapter 10: proposed and accepted tokens, verifications
         self._ids = itertools.count()
@@ -67,6 +68,7 @@ class Engine:
         step buffers, the KV pool in the memory that is left (chapter 6), CUDA graphs (chapter 7)."""
         device, model_dir = ModelRunner.resolve_device(config.device), resolve_model(config.model)
         cfg = load_config(model_dir)  # a bad config.json is reported before anything else is read
+        config.check_model(cfg)
         tokenizer = load_tokenizer(model_dir)
         model_len = cfg.context_window(config.max_model_len)
         runner = ModelRunner.load(model_dir, device, model_len, config.step_tokens(device, cfg), config.num_blocks,

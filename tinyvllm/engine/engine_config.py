@@ -24,10 +24,11 @@ CPU_STEP_FLOPS = 1.5e10
 # waits about one such step, not the long prompt's whole prefill. The CPU's budget is already small: half
 # of it; a GPU's is sized for throughput: 1,024 of its 8,192 keep a step of a 1B model in milliseconds.
 LONG_PREFILL_SHARE = {"cpu": 2, "cuda": 8}
-SPECULATIVE_METHODS = ("ngram",)   # chapter 10's proposers (engine/spec_decode.py); None: no speculation
-# vLLM's speculative_config keys, and the EngineConfig field each one sets
+SPECULATIVE_METHODS = ("ngram", "early_exit")   # chapter 10's proposers (engine/spec_decode.py); None: no speculation
+# vLLM's speculative_config keys (and num_draft_layers, early exit's), and the EngineConfig field each one sets
 SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
-                           "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+                           "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
+                           "num_draft_layers": "num_draft_layers"}
 
 
 def speculative_settings(speculative_config: dict | str) -> dict:
@@ -94,16 +95,19 @@ class EngineConfig:
               f"1/{LONG_PREFILL_SHARE['cuda']} on a GPU)")
     speculative_method: str | None = setting(
         None, "speculative decoding: 'ngram' proposes the tokens that followed the last few tokens earlier in the "
-              "prompt and output (prompt lookup); every step verifies them (default: off)", SPECULATIVE_METHODS)
+              "prompt and output (prompt lookup); 'early_exit' the model's own first num_draft_layers layers; every "
+              "step verifies them (default: off)", SPECULATIVE_METHODS)
     num_speculative_tokens: int = setting(4, "tokens proposed per sequence and step, with speculative_method")
     prompt_lookup_max: int = setting(4, "ngram: the longest suffix looked up in the prompt and output")
     prompt_lookup_min: int = setting(2, "ngram: the shortest suffix looked up (shorter ones match more, but "
                                         "their guesses are kept less often)")
+    num_draft_layers: int | None = setting(None, "early_exit: the layers the draft runs, 1 to the model's layers - 1 "
+                                                 "(more: better guesses, dearer ones)")
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                      "long_prefill_token_threshold", "num_speculative_tokens", "prompt_lookup_max",
-                     "prompt_lookup_min"):
+                     "prompt_lookup_min", "num_draft_layers"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise TinyVLLMError(f"{name} must be a positive whole number, got {value!r}")
@@ -112,9 +116,19 @@ class EngineConfig:
         if self.speculative_method not in (None, *SPECULATIVE_METHODS):
             raise TinyVLLMError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or None for "
                                 f"no speculation), got {self.speculative_method!r}")
+        if self.speculative_method == "early_exit" and self.num_draft_layers is None:
+            raise TinyVLLMError("speculative_method early_exit needs num_draft_layers: how many of the model's first "
+                                "layers make the draft")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise TinyVLLMError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                                 f"({self.prompt_lookup_max})")
+
+    def check_model(self, cfg: LlamaConfig) -> None:
+        """The settings that depend on the model, checked before its weights are read."""
+        layers = cfg.num_hidden_layers
+        if self.speculative_method == "early_exit" and not self.num_draft_layers < layers:
+            raise TinyVLLMError(f"num_draft_layers must be 1 to {layers - 1} for this model of {layers} layers (the "
+                                f"draft is its first layers, never all of them), got {self.num_draft_layers}")
 
     @classmethod
     def names(cls) -> list[str]:

@@ -15,7 +15,8 @@ the model's step buffers), spent in this order (vLLM v1's rule):
      does not fit stops admission.
 With speculative decoding on (chapter 10), step 1 is followed by 1b: a decoding sequence for which the
 proposer has guesses verifies up to num_speculative_tokens of them in the same step, from the budget and
-the blocks left (a guess never preempts anyone); after the step, the blocks of rejected guesses go back.
+the blocks left (a guess never preempts anyone), unless more than max_speculating_batch sequences decode (a
+compute-bound step gains nothing from guesses); after the step, the blocks of rejected guesses go back.
 So a prompt can be as long as the context window, and a long prompt stalls nobody: the running
 sequences keep decoding while it goes through, chunk by chunk, and since one prompt takes at most
 long_prefill_token_threshold tokens of a step, the rest of the budget admits the short prompts that
@@ -58,7 +59,8 @@ class Step:
 class Scheduler:
     def __init__(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_caching: bool = False, long_prefill_token_threshold: int | None = None,
-                 proposer: Proposer | None = None, num_speculative_tokens: int = 0):
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0,
+                 max_speculating_batch: int | None = None):
         if prefix_caching:  # full blocks named by hash, shared between prompts
             self.block_manager = PrefixCachingBlockManager(num_blocks)
         else:
@@ -69,6 +71,7 @@ class Scheduler:
         # the most tokens one prompt computes in a step (None: the whole budget, one prompt may fill a step)
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens   # chapter 10 (None: off)
+        self.max_speculating_batch = max_speculating_batch   # more decoding sequences: nobody proposes (None: no limit)
         self.gate = SpeculationGate()            # chapter 10: who proposes, by how often its guesses are kept
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order: the last one is the youngest
@@ -126,7 +129,10 @@ class Scheduler:
     def speculate(self, step: Step, free: int, budget: int) -> tuple[int, int]:
         """Chapter 10: move each decoding sequence the proposer has guesses for from step.decodes to step.verifies,
         with as many guesses as the budget, the free blocks and its max_tokens leave room for (it emits at most
-        k + 1 tokens). Oldest first; returns what is left of free and budget."""
+        k + 1 tokens). Oldest first; returns what is left of free and budget. A large batch proposes nothing: its
+        step is compute-bound, and a guess would cost about as much as a token of its own (MAX_SPECULATING_BATCH)."""
+        if self.max_speculating_batch is not None and len(step.decodes) > self.max_speculating_batch:
+            return free, budget
         for seq in list(step.decodes):
             if seq.params.structured_outputs is not None:
                 continue                               # its mask is for the next position only: no guesses
@@ -166,7 +172,8 @@ class Scheduler:
                                                        # proposals count after it: Scheduler.verified)
         for seq, planned in zip(step.sequences, prefills + verifies + decodes):
             planned.sampling = seq.sampling if seq.num_computed == len(seq) else None   # a prompt's last chunk, a decode
-        step.plan = StepPlan(prefills, verifies, decodes)
+        draft_layers = getattr(self.proposer, "num_draft_layers", 0)   # early exit's placeholders; others: real tokens
+        step.plan = StepPlan(prefills, verifies, decodes, draft_layers)
 
     def _make_room(self, seq: Sequence, blocks: int, step: Step) -> int:
         """Nothing else runs this step and the started prompt `seq` lacks `blocks` blocks: the pool is held by

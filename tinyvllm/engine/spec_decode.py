@@ -11,6 +11,8 @@ tokens for about the cost of one when decode is memory-bound — and the same to
 A proposer makes the guesses. Here: prompt lookup (n-gram matching), which needs no model at all. It
 shines when the answer repeats its input (editing a text, answering about a document, code): the last
 few tokens of the sequence are looked up in what came before, and what followed them there is proposed.
+And early exit (self-speculation): the model's own first layers guess, in the step itself (model/early_exit.py);
+here it only says how many guesses, as placeholders the model runner fills in.
 """
 from __future__ import annotations
 
@@ -48,12 +50,42 @@ class NgramProposer:
         return []
 
 
+DRAFTED = 0   # a placeholder proposal: the model runner replaces it with the early-exit draft's guess
+
+
+class EarlyExitProposer:
+    """Self-speculation ("early_exit", LayerSkip's name): the guesses are the argmax of the model's first
+    num_draft_layers layers followed by its final norm and LM head. They need the model, which runs in the step,
+    so the scheduler plans k placeholders (their slots, their place in the budget) and the step's plan tells
+    the runner to draft them (StepPlan.draft_layers, from num_draft_layers: a proposer without that attribute
+    proposes real tokens): the plan stays one call through the one door."""
+
+    def __init__(self, num_draft_layers: int):
+        self.num_draft_layers = num_draft_layers
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return [DRAFTED] * k   # always k guesses: the draft has one for every position
+
+
 # Never lose (chapter 10): a verification of k proposals costs more than a decode step (on a 2-core CPU, k = 4, about
 # 2.5 decode steps: speculation broke even at an acceptance of 0.38, bench/results/spec-decode-cpu-20261203-071701.json,
 # and gained 1.33x at 0.65). A sequence whose proposals are kept less often than this stops proposing for a while.
 MIN_ACCEPTANCE = 0.4
 MIN_EVIDENCE = 8     # proposed tokens before a sequence's rate is trusted
 REST_STEPS = 16      # decode steps without proposals before it tries again (the text may start repeating later)
+
+
+# Never lose at large batch: a verification pays while its step is memory-bound (its k + 1 rows per sequence read
+# the weights once, as one row would). With many sequences decoding, the step is compute-bound already: each guess
+# then costs about a token's full arithmetic, and the rejected ones are work thrown away. So with more than this
+# many sequences decoding in a step, none proposes (vLLM's disable_by_batch_size). What sets it, for k = 4:
+#   cuda: the H200 turns compute-bound at ~185 tokens a step (768 TFLOP/s over 4.15 TB/s, chapter 10, section 7);
+#         a decode step alone stays under that to batch ~128, but a verification is 5 rows a sequence: 185 / 5 = 37.
+#   cpu:  measured on 2 shared cores, SmolLM2-135M (python bench/verify_cost.py --rounds 6,
+#         bench/results/verify-cost-cpu-20261203-130124.json): up to batch 8 a 4-guess verification costs 1.3-1.7
+#         decode steps; from batch 16 decode's tokens/s stop growing and it costs 2.7-3.7, about what it emits on
+#         average at best (3.6 tokens on grounded text), so it cannot win there.
+MAX_SPECULATING_BATCH = {"cpu": 8, "cuda": 32}
 
 
 class SpeculationGate:
@@ -91,6 +123,8 @@ def make_proposer(config: EngineConfig) -> Proposer | None:
     """The proposer the settings ask for (speculative_method, checked by EngineConfig); None: speculation off."""
     if config.speculative_method is None:
         return None
+    if config.speculative_method == "early_exit":
+        return EarlyExitProposer(config.num_draft_layers)
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 

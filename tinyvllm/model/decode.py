@@ -23,9 +23,10 @@ from tinyvllm.model.model import Model, final_logits, run_layers
 from tinyvllm.model.step_plan import SeqStep, step_inputs
 
 
-def decode_batch(model: Model, pool, steps: list[SeqStep]):
+def decode_batch(model: Model, pool, steps: list[SeqStep], num_layers: int | None = None):
     """One new token per sequence, as planned (steps[b]: its token, position, slot and block table);
-    returns the next-token logits, (n, vocab) fp32 on the model's device."""
+    returns the next-token logits, (n, vocab) fp32 on the model's device. num_layers: through the first
+    layers only, then the final norm and the LM head (chapter 10's early-exit draft); None: the whole model."""
     ops, H = model.ops, model.cfg.num_attention_heads
     ids, positions, slots = (ops.to_device(c) for c in step_inputs(steps))
     where = pool.where(steps, [s.end for s in steps])   # where each sequence's keys are: once per step
@@ -34,7 +35,7 @@ def decode_batch(model: Model, pool, steps: list[SeqStep]):
     def attend(layer: int, qkv, attn) -> None:
         attention(qkv, pool.k[layer], pool.v[layer], *where, attn, H)
 
-    return decode_rows(model, ids, positions, slots, pool, attend)
+    return decode_rows(model, ids, positions, slots, pool, attend, num_layers=num_layers)
 
 
 def uses_fused_layer(model: Model, rows: int) -> bool:
@@ -43,14 +44,17 @@ def uses_fused_layer(model: Model, rows: int) -> bool:
     return model.fused_decode and rows <= GEMV_DECODE_ROWS and offers_fused_ops(model.ops)
 
 
-def decode_rows(model: Model, ids, positions, slots, pool, attend, out=None, fused: bool | None = None):
+def decode_rows(model: Model, ids, positions, slots, pool, attend, out=None, fused: bool | None = None,
+                num_layers: int | None = None):
     """The forward pass of a decode step's rows (device arrays ids, positions, slots), fused or not (None: as
-    uses_fused_layer says); returns the logits (rows, vocab) fp32, into `out` if given. decode_batch and the
-    CUDA graphs (cuda_graphs.py, which time both and keep the faster) run it."""
+    uses_fused_layer says), through the first num_layers layers (None: all); returns the logits (rows, vocab)
+    fp32, into `out` if given. decode_batch and the CUDA graphs (cuda_graphs.py, which time both and keep the
+    faster) run it."""
     rows = slice(0, len(ids))
     if uses_fused_layer(model, len(ids)) if fused is None else fused:
-        return final_logits_fused(model, run_layers_fused(model, ids, positions, slots, pool, attend), rows, out)
-    residual, delta = run_layers(model, ids, positions, slots, pool, attend)
+        residual = run_layers_fused(model, ids, positions, slots, pool, attend, num_layers)
+        return final_logits_fused(model, residual, rows, out)
+    residual, delta = run_layers(model, ids, positions, slots, pool, attend, num_layers=num_layers)
     return final_logits(model, residual, delta, rows, out=out)
 
 

@@ -54,17 +54,17 @@ def offers_fused_ops(ops) -> bool:
     return all(hasattr(ops, name) for name in FUSED_OPS)
 
 
-def run_layers_fused(model: Model, ids, positions, slots, pool, attend):
+def run_layers_fused(model: Model, ids, positions, slots, pool, attend, num_layers: int | None = None):
     """run_layers (model.py) for a decode step of up to GEMV_MAX_ROWS rows, with the fused kernels: token ids[r] at
-    position positions[r], its K/V stored to pool slot slots[r], attention by attend(layer, qkv, attn_out).
-    Returns the residual stream with every layer's output already added (no pending delta)."""
+    position positions[r], its K/V stored to pool slot slots[r], attention by attend(layer, qkv, attn_out), through
+    the first num_layers layers (None: all). Returns the residual stream with every layer's output already added."""
     cfg, ops, T = model.cfg, model.ops, len(ids)
     b = {name: buf[:T] for name, buf in model.buffers.items()}
     residual, qkv, attn, act = b["residual"], b["qkv"], b["attn_out"], b["mlp_act"]
     H, KVH, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
 
     ops.embedding(ids, model.embed, residual)
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers[:num_layers]):
         ops.rms_norm_gemv(residual, layer.input_norm, layer.qkv, qkv, eps)
         ops.rope_store_kv(qkv, positions, model.cos, model.sin, pool.k[i], pool.v[i], slots, H, KVH, D)
         attend(i, qkv, attn)

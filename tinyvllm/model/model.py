@@ -117,10 +117,11 @@ class Model:
                 rows += tensors[hf].shape[0]
 
 
-def run_layers(model: Model, ids, positions, slots, pool, attend, on_layer=None):
+def run_layers(model: Model, ids, positions, slots, pool, attend, on_layer=None, num_layers: int | None = None):
     """Every layer over the first len(ids) rows of the buffers: token ids[r] at position positions[r],
     its K/V stored to pool slot slots[r]. Prefill and decode differ only in attend(layer, qkv, attn_out).
-    Returns (residual, delta): the stream is their sum. on_layer(residual, delta) runs after each layer."""
+    Returns (residual, delta): the stream is their sum. on_layer(residual, delta) runs after each layer.
+    num_layers: only the first layers (chapter 10's early-exit draft); None: all of them."""
     cfg, ops, T = model.cfg, model.ops, len(ids)
     b = {name: buf[:T] for name, buf in model.buffers.items()}
     residual, normed, qkv, attn, delta = b["residual"], b["normed"], b["qkv"], b["attn_out"], b["delta"]
@@ -128,7 +129,7 @@ def run_layers(model: Model, ids, positions, slots, pool, attend, on_layer=None)
 
     ops.embedding(ids, model.embed, residual)
     pending = None  # the previous MLP's output, not yet added to the residual
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers[:num_layers]):
         ops.add_rms_norm(residual, pending, layer.input_norm, normed, eps)
         ops.gemm(normed, layer.qkv, qkv)
         ops.rope(qkv, positions, model.cos, model.sin, H + KVH, D)  # Q and K heads, V untouched

@@ -7,6 +7,8 @@ ONE forward pass of its own choosing:
     prompts (or chunks) in the step   -> prefill_batch, the step's decodes riding along as extra rows
     proposals to verify (chapter 10)  -> prefill_batch too: a sequence's newest token and its k proposals
                                          are a chunk after its cached tokens, with logits at all k + 1
+                                         (early exit: the proposals are drafted first, by the model's first
+                                         layers, in k one-token passes: early_exit.py)
     decodes alone, on a GPU           -> the CUDA graph of their batch size (chapter 7)
     decodes alone, on a CPU (or eager)-> decode_batch
 
@@ -23,6 +25,7 @@ from typing import NamedTuple
 
 from tinyvllm.model.backend import resolve_device
 from tinyvllm.model.decode import decode_batch
+from tinyvllm.model.early_exit import with_drafts
 from tinyvllm.model.kv_pool import PagedKVPool, pool_blocks
 from tinyvllm.model.mask_table import MaskTable
 from tinyvllm.model.model import Model
@@ -69,6 +72,8 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan) -> Launched:
         """The first half: queue the forward pass (on a GPU this returns before the kernels finish)."""
+        if plan.draft_layers and plan.verifies:   # early exit: the guesses are drafted now, then verified below
+            plan = with_drafts(self.model, self.pool, plan)
         if plan.prefills or plan.verifies:   # one pass for the whole step: the decodes ride along (no CUDA graph then)
             logits = prefill_batch(self.model, self.pool, plan.prefills + plan.verifies, decodes=plan.decodes)
         elif plan.decodes:  # decodes alone: the CUDA graph of their batch size, on a GPU
