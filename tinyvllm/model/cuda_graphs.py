@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.model.decode import decode_rows, uses_fused_layer
+from tinyvllm.model.decode import decode_batch, decode_rows, uses_fused_layer
 from tinyvllm.model.kv_pool import PagedKVPool
 from tinyvllm.model.step_plan import BLOCK_SIZE, blocks_for
 from tinyvllm.model.model import Model
@@ -89,6 +89,8 @@ class GraphedDecode:
 
     def __call__(self, steps: list[SeqStep]):
         n = len(steps)
+        if n > self.buckets[-1]:   # more rows than the largest graph (a verification is k + 1 rows): eagerly
+            return decode_batch(self.model, self.pool, steps)
         size = next(b for b in self.buckets if b >= n)
         if self.copied is not None:
             self.copied.synchronize()

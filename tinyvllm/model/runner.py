@@ -5,8 +5,9 @@ runner computes. It owns the model's weights, the physical KV pool and the CUDA 
 ONE forward pass of its own choosing:
 
     prompts (or chunks) in the step   -> prefill_batch, the step's decodes riding along as extra rows
-    proposals to verify (chapter 10)  -> prefill_batch too: a sequence's newest token and its k proposals
-                                         are a chunk after its cached tokens, with logits at all k + 1
+    proposals to verify (chapter 10)  -> with prompts in the step, prefill_batch: a sequence's newest token and its
+                                         k proposals are a chunk after its cached tokens, logits at all k + 1;
+                                         without, k + 1 decode rows (decode_rows_of), graphed as decodes are
                                          (early exit: the proposals are drafted first, by the model's first
                                          layers, in k one-token passes: early_exit.py)
     decodes alone, on a GPU           -> the CUDA graph of their batch size (chapter 7)
@@ -31,7 +32,16 @@ from tinyvllm.model.mask_table import MaskTable
 from tinyvllm.model.model import Model
 from tinyvllm.model.prefill import prefill_batch
 from tinyvllm.model.sampler import sample_step
-from tinyvllm.model.step_plan import StepOutput, StepPlan
+from tinyvllm.model.step_plan import SeqStep, StepOutput, StepPlan
+
+
+def decode_rows_of(verifies: list[SeqStep]) -> list[SeqStep]:
+    """Chapter 10: a verification of k proposals as k + 1 decode rows, row j at position start + j attending to the
+    keys up to its own (its end), through the sequence's one block table. A decode layer stores every row's K/V
+    before any row attends, so row j reads rows 0 .. j - 1 of this step: the chunk's causal mask, and the step
+    replays a CUDA graph (a verification through the prefill path runs eagerly: ~300 launches on a 30-layer model)."""
+    return [SeqStep([token], s.start + j, [slot], s.block_table)
+            for s in verifies for j, (token, slot) in enumerate(zip(s.token_ids, s.slots))]
 
 
 class Launched(NamedTuple):
@@ -74,10 +84,10 @@ class ModelRunner:
         """The first half: queue the forward pass (on a GPU this returns before the kernels finish)."""
         if plan.draft_layers and plan.verifies:   # early exit: the guesses are drafted now, then verified below
             plan = with_drafts(self.model, self.pool, plan)
-        if plan.prefills or plan.verifies:   # one pass for the whole step: the decodes ride along (no CUDA graph then)
+        if plan.prefills:   # one pass for the whole step: verifications and decodes ride along (no CUDA graph then)
             logits = prefill_batch(self.model, self.pool, plan.prefills + plan.verifies, decodes=plan.decodes)
-        elif plan.decodes:  # decodes alone: the CUDA graph of their batch size, on a GPU
-            logits = self.decode(plan.decodes)
+        elif plan.verifies or plan.decodes:  # decode rows only: the CUDA graph of their number, on a GPU
+            logits = self.decode(decode_rows_of(plan.verifies) + plan.decodes)
         else:
             logits = None
         return Launched(plan, logits)
