@@ -147,6 +147,7 @@ def same(invariant, record_property, seed):
 BATCHED = ["batch of 3", "batch of 64", "batch of 64, rows reshuffled", "mixed prefill+decode steps"]
 
 
+@pytest.mark.slow   # every position's logits, alone and batched
 @pytest.mark.parametrize("scenario", BATCHED)
 def test_prompt_logits_at_every_position_are_the_same_alone_and_in_a_batch(runs, same, scenario):
     """prefill_batch with all_logits: the target's last K prompt positions, alone vs among others."""

@@ -55,6 +55,7 @@ def test_preemption_in_a_tiny_pool_changes_no_answer(default_model_dir, prompts,
     assert tiny.engine.scheduler.block_manager.num_free == 24 and not tiny.engine.scheduler.block_manager.tables
 
 
+@pytest.mark.slow   # the default model generating
 def test_prefix_caching_on_a_shared_system_prompt(default_model_dir):
     system = {"role": "system", "content": "You are a terse assistant for a hardware store. " * 6}
     convs = [[system, {"role": "user", "content": q}] for q in QUESTIONS[:6]]

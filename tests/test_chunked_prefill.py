@@ -131,6 +131,7 @@ def test_a_prompt_longer_than_the_step_buffers_matches_the_oracle_and_transforme
     assert rel_err(ours, hf) < 1e-4
 
 
+@pytest.mark.slow   # a dozen random workloads
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_workloads_finish_within_the_budget_with_the_tokens_they_get_alone(tiny_model_dir, data):

@@ -217,6 +217,7 @@ INSTANCES = ([f"template __global__ void rms_norm_gemv<{n}, {f}>(const float*, c
                 f"int);\n" for n in range(1, 9)])
 
 
+@pytest.mark.slow   # nvcc, seconds a kernel
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check kernels)")
 def test_fused_kernels_compile_for_sm90_without_spilling(tmp_path):
     """Every (rows, output type) instance compiles, and none spills registers to local memory: the kernels'

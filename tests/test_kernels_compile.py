@@ -9,6 +9,8 @@ import pytest
 
 from tinyvllm.model.backend.constants import INVARIANT_GEMM_TILES, nvrtc_defines
 
+pytestmark = pytest.mark.slow   # not in make test-fast: nvcc, seconds a kernel
+
 KERNELS = sorted((Path(__file__).resolve().parent.parent / "tinyvllm" / "model" / "kernels").glob("*.cu"))
 NVCC = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
 

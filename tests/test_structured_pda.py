@@ -115,6 +115,7 @@ def random_tree(rng, depth: int) -> dict:
 
 # ---------------------------------------------------------------- the PDA against the judges
 
+@pytest.mark.slow   # hundreds of nested outputs
 def test_recursive_lists_match_at_any_depth(rng):
     """Nested lists of random depth up to 40, and their one-character mutations: the PDA matches exactly what
     the recursive-descent recogniser matches."""
