@@ -99,8 +99,9 @@ def test_soak_thousand_requests_random_arrivals(tiny_llama_dir):
 
 def test_graph_inputs_written_incrementally_equal_a_full_rewrite():
     """CUDA-graph decode keeps its host inputs between steps and rewrites only what changed; after
-    random admissions, decodes, departures and preemptions (a freed sequence comes back with new
-    blocks), every row must still hold exactly its sequence's table, slot, position and length."""
+    random admissions, decodes, departures, preemptions (a freed sequence comes back with new blocks) and
+    rollbacks (a table cut, then grown again with other blocks), every row must still hold exactly its
+    sequence's table, slot, position and length."""
     from tinyvllm.engine.block_manager import BLOCK_SIZE, BlockManager, blocks_for, plan_decode
     from tinyvllm.model.cuda_graphs import DecodeInputs, buckets
     rng = np.random.default_rng(0)
@@ -121,6 +122,12 @@ def test_graph_inputs_written_incrementally_equal_a_full_rewrite():
                 running.insert(int(rng.integers(len(running) + 1)), s)
         if not running:
             continue
+        if rng.random() < 0.3:   # a verification (chapter 10): k more tokens' blocks written, the rejected dropped
+            s = running[int(rng.integers(len(running)))]
+            k = int(rng.integers(1, 40))
+            blocks.extend(s, k)
+            host.fill(plan_decode(blocks, running, [0] * len(running)), next(b for b in buckets(64) if b >= len(running)))
+            blocks.truncate(s, blocks.lengths[s] - int(rng.integers(0, k + 2)))
         before = {s: blocks.lengths[s] for s in running}
         tokens = rng.integers(0, 32, len(running)).tolist()
         size = next(b for b in buckets(64) if b >= len(running))

@@ -138,10 +138,11 @@ class BlockManager:
         written again by the next tokens: only lengths says what a block holds."""
         if not 0 <= num_tokens <= self.lengths[seq]:
             raise TinyVLLMError(f"sequence {seq} holds {self.lengths[seq]} tokens; cannot keep {num_tokens}")
-        table = self.tables[seq]
-        for block in table[blocks_for(num_tokens):]:
+        table, keep = self.tables[seq], blocks_for(num_tokens)
+        for block in table[keep:]:
             self._release(block)
-        del table[blocks_for(num_tokens):]   # in place: a step plan may hold this very list
+        if keep < len(table):   # a new list: a table only ever grows, and whoever copied this one (a CUDA graph's
+            self.tables[seq] = table[:keep]   # device tables) knows by its identity that it must copy it afresh
         self.lengths[seq] = num_tokens
 
     def slot_mapping(self, seq: int, start: int, count: int) -> np.ndarray:
