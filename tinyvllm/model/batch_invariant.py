@@ -28,7 +28,12 @@ copies row t into one (1, K) scratch row and multiplies it into one (1, N) scrat
 pointers at any T (at T = 1 that is the default's own call, so batch-1 decode costs nothing more; T rows read
 the weights T times). Attention attends one query at a time (`prefill_attention_invariant`,
 `chunk_attention_invariant`, and paged_attention already does), so a query's sums have the shapes of its own
-context only. RMSNorm, RoPE, SwiGLU and the sampling work row by row in both modes.
+context only. RMSNorm, RoPE and SwiGLU work row by row in both modes.
+
+Sampling is the model runner's (sampler.py): in this mode it draws the sampled rows of a step together with the
+backend's `sample_rows` (kernels/sample_rows.cu, or its NumPy twin), whose every sum has an order fixed by the
+vocabulary size, where the default mode's batched softmax and cumsum are a library's, scheduled by the array's
+shape. Greedy rows are an argmax: exact in any order.
 
 Chapter 8's fused decode kernels are withheld: they run only up to GEMV_DECODE_ROWS rows, so a sequence would switch
 between them and the unfused layer as its batch grows, and nothing makes the two sum alike (the fused norm's
