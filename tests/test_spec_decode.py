@@ -276,8 +276,8 @@ def test_any_proposals_give_the_answer_of_plain_decoding(plain, speculating, rng
 
 def test_the_gate_rests_a_sequence_whose_guesses_are_mostly_wrong():
     from tinyvllm.engine.spec_decode import MIN_ACCEPTANCE, MIN_EVIDENCE, REST_STEPS, SpeculationGate
-    gate = SpeculationGate()
-    kept_enough = int(np.ceil(MIN_ACCEPTANCE * MIN_EVIDENCE))
+    gate = SpeculationGate(MIN_ACCEPTANCE["cpu"])
+    kept_enough = int(np.ceil(MIN_ACCEPTANCE["cpu"] * MIN_EVIDENCE))
     gate.record(1, MIN_EVIDENCE, kept_enough)        # at the threshold: keeps proposing
     gate.record(2, MIN_EVIDENCE - 1, 0)              # too little evidence yet
     gate.record(3, MIN_EVIDENCE, kept_enough - 1)    # under it: rests

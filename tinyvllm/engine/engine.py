@@ -28,7 +28,7 @@ from tinyvllm.engine.scheduler import Scheduler, Step
 from tinyvllm.engine.sequence import Sequence, Status, check_prompt
 from tinyvllm.engine.step_record import StepRecord
 from tinyvllm.engine.structured.compiler import StructuredOutputCompiler
-from tinyvllm.engine.spec_decode import MAX_SPECULATING_BATCH, SpecDecodeStats, make_proposer
+from tinyvllm.engine.spec_decode import MAX_SPECULATING_BATCH, MIN_ACCEPTANCE, SpecDecodeStats, make_proposer
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.formats.config import load_config
@@ -54,7 +54,7 @@ class Engine:
         self.scheduler = Scheduler(runner.pool.num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching, config.long_prefill_token_threshold,
                                    make_proposer(config), config.num_speculative_tokens,
-                                   MAX_SPECULATING_BATCH[config.device])
+                                   MAX_SPECULATING_BATCH[config.device], MIN_ACCEPTANCE[config.device])
         self.structured = StructuredOutputCompiler(tokenizer.token_bytes, runner.model.cfg.vocab_size)
         self.spec_stats = SpecDecodeStats()   # chapter 10: proposed and accepted tokens, verifications
         self._ids = itertools.count()

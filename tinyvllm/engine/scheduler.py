@@ -35,7 +35,7 @@ from tinyvllm.engine import block_manager
 from tinyvllm.engine.block_manager import plan_decode, plan_prefill, plan_verify
 from tinyvllm.engine.prefix_cache import PrefixCacheStats, PrefixCachingBlockManager
 from tinyvllm.engine.sequence import Sequence, Status
-from tinyvllm.engine.spec_decode import Proposer, SpeculationGate
+from tinyvllm.engine.spec_decode import MIN_ACCEPTANCE, Proposer, SpeculationGate
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model.step_plan import BLOCK_SIZE, StepPlan
 
@@ -60,7 +60,7 @@ class Scheduler:
     def __init__(self, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_caching: bool = False, long_prefill_token_threshold: int | None = None,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 max_speculating_batch: int | None = None):
+                 max_speculating_batch: int | None = None, min_acceptance: float = MIN_ACCEPTANCE["cpu"]):
         if prefix_caching:  # full blocks named by hash, shared between prompts
             self.block_manager = PrefixCachingBlockManager(num_blocks)
         else:
@@ -72,7 +72,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens   # chapter 10 (None: off)
         self.max_speculating_batch = max_speculating_batch   # more decoding sequences: nobody proposes (None: no limit)
-        self.gate = SpeculationGate()            # chapter 10: who proposes, by how often its guesses are kept
+        self.gate = SpeculationGate(min_acceptance)   # chapter 10: who proposes, by how often its guesses are kept
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order: the last one is the youngest
 

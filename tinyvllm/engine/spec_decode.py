@@ -67,10 +67,14 @@ class EarlyExitProposer:
         return [DRAFTED] * k   # always k guesses: the draft has one for every position
 
 
-# Never lose (chapter 10): a verification of k proposals costs more than a decode step (on a 2-core CPU, k = 4, about
-# 2.5 decode steps: speculation broke even at an acceptance of 0.38, bench/results/spec-decode-cpu-20261203-071701.json,
-# and gained 1.33x at 0.65). A sequence whose proposals are kept less often than this stops proposing for a while.
-MIN_ACCEPTANCE = 0.4
+# Never lose (chapter 10): a verification of k proposals costs more than a decode step, so a sequence whose proposals
+# are kept less often than this (per device, k = 4) stops proposing for a while.
+#   cpu:  a verification costs about 2.5 decode steps; speculation broke even at an acceptance of 0.38 and gained 1.33x
+#         at 0.65 (bench/results/spec-decode-cpu-20261203-071701.json).
+#   cuda: H200, default model, verification as graphed decode rows: free-form text (acceptance 0.43, 0.38, 0.40) lost
+#         at batch 1, 8 and 16 (x0.98, x0.81, x0.73), grounded text (0.60-0.63) won (x1.66, x1.25, x1.17)
+#         (spec-decode-cuda-20261203-142824.json, -142827, -142831).
+MIN_ACCEPTANCE = {"cpu": 0.4, "cuda": 0.5}
 MIN_EVIDENCE = 8     # proposed tokens before a sequence's rate is trusted
 REST_STEPS = 16      # decode steps without proposals before it tries again (the text may start repeating later)
 
@@ -79,20 +83,23 @@ REST_STEPS = 16      # decode steps without proposals before it tries again (the
 # the weights once, as one row would). With many sequences decoding, the step is compute-bound already: each guess
 # then costs about a token's full arithmetic, and the rejected ones are work thrown away. So with more than this
 # many sequences decoding in a step, none proposes (vLLM's disable_by_batch_size). What sets it, for k = 4:
-#   cuda: the H200 turns compute-bound at ~185 tokens a step (768 TFLOP/s over 4.15 TB/s, chapter 10, section 7);
-#         a decode step alone stays under that to batch ~128, but a verification is 5 rows a sequence: 185 / 5 = 37.
+#   cuda: measured on the H200 (default model, grounded text, the acceptance gate's best case): x1.25 at 8, x1.17 at
+#         16, x0.62 at 32 (spec-decode-cuda-20261203-142827.json, -142831, -140946): a step of 32 sequences' 5 rows
+#         each is past the GPU's memory-bound range for this model.
 #   cpu:  measured on 2 shared cores, SmolLM2-135M (python bench/verify_cost.py --rounds 6,
 #         bench/results/verify-cost-cpu-20261203-130124.json): up to batch 8 a 4-guess verification costs 1.3-1.7
 #         decode steps; from batch 16 decode's tokens/s stop growing and it costs 2.7-3.7, about what it emits on
 #         average at best (3.6 tokens on grounded text), so it cannot win there.
-MAX_SPECULATING_BATCH = {"cpu": 8, "cuda": 32}
+MAX_SPECULATING_BATCH = {"cpu": 8, "cuda": 16}
 
 
 class SpeculationGate:
-    """Per sequence: its proposed and kept tokens since it last rested; a sequence under MIN_ACCEPTANCE after
-    MIN_EVIDENCE proposed tokens rests REST_STEPS steps (plain decoding), then starts counting afresh."""
+    """Per sequence: its proposed and kept tokens since it last rested; a sequence under min_acceptance (its
+    device's MIN_ACCEPTANCE) after MIN_EVIDENCE proposed tokens rests REST_STEPS steps (plain decoding), then starts
+    counting afresh."""
 
-    def __init__(self):
+    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE["cpu"]):
+        self.min_acceptance = min_acceptance
         self.counts: dict[int, tuple[int, int]] = {}   # seq_id -> (proposed, kept)
         self.resting: dict[int, int] = {}              # seq_id -> decode steps left without proposals
 
@@ -108,7 +115,7 @@ class SpeculationGate:
     def record(self, seq_id: int, proposed: int, kept: int) -> None:
         total, accepted = self.counts.get(seq_id, (0, 0))
         total, accepted = total + proposed, accepted + kept
-        if total >= MIN_EVIDENCE and accepted < MIN_ACCEPTANCE * total:
+        if total >= MIN_EVIDENCE and accepted < self.min_acceptance * total:
             self.resting[seq_id] = REST_STEPS
             self.counts.pop(seq_id, None)
         else:
