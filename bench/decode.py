@@ -196,10 +196,11 @@ def compare_fused(model, context: int, steps: int, bandwidth: float) -> tuple[di
 
 # ---------------------------------------------------------------- batch 1 / 8 / 64, paged pool, CUDA graphs
 
-def ms_per_step(model, batch: int, context: int, steps: int, measure: bool = False) -> tuple[float, int]:
+def ms_per_step(model, batch: int, context: int, steps: int, layer: str | None = None) -> tuple[float, int]:
     """(median ms of a decode step of `batch` sequences at `context` tokens each, op calls per step): one CUDA graph
     replay per step on the GPU, decode_batch on the CPU. The pool's K/V are zeros: the time does not depend on them.
-    measure: the graph the engine would keep, the faster of fused and unfused (else the layer model.fused_decode names)."""
+    layer: "unfused", "fused" or "persistent" where it can run the batch; None: the graph the engine would keep,
+    the fastest of them (cuda_graphs.GraphedDecode)."""
     from tinyvllm.engine.block_manager import BlockManager, plan_decode
     from tinyvllm.model.decode import decode_batch
     from tinyvllm.model.kv_pool import PagedKVPool
@@ -212,7 +213,7 @@ def ms_per_step(model, batch: int, context: int, steps: int, measure: bool = Fal
         blocks.allocate(s, context)
     if model.device == "cuda":
         from tinyvllm.model.cuda_graphs import GraphedDecode
-        run = GraphedDecode(model, pool, max_num_seqs=batch, measure=measure)
+        run = GraphedDecode(model, pool, max_num_seqs=batch, layer=layer)
     else:
         def run(plan):
             return decode_batch(model, pool, plan)
@@ -237,14 +238,13 @@ def batch_sweep(model, batches: list[int], context: int, steps: int, bandwidth: 
     for batch in batches:
         floor = floor_ms(model, context, batch, bandwidth)
         row = {"batch": batch, "floor_ms": floor}
-        for fused in (True, False):
-            model.fused_decode = fused
-            ms, calls = ms_per_step(model, batch, context, steps)
-            row["fused" if fused else "unfused"] = {"ms_per_token": ms, "ratio_to_floor": ms / floor,
-                                                    "op_calls_per_step": calls}
+        for layer in ("fused", "unfused") + (("persistent",) if model.device == "cuda" else ()):
+            model.fused_decode = layer != "unfused"   # the CPU's decode_batch follows it
+            ms, calls = ms_per_step(model, batch, context, steps, layer=layer)
+            row[layer] = {"ms_per_token": ms, "ratio_to_floor": ms / floor, "op_calls_per_step": calls}
         model.fused_decode = True
-        if model.device == "cuda":   # what the engine runs: the faster of the two, chosen at capture
-            ms, calls = ms_per_step(model, batch, context, steps, measure=True)
+        if model.device == "cuda":   # what the engine runs: the fastest, chosen at capture
+            ms, calls = ms_per_step(model, batch, context, steps)
             row["engine"] = {"ms_per_token": ms, "ratio_to_floor": ms / floor, "op_calls_per_step": calls}
         rows.append(row)
         if model.device == "cuda":
@@ -354,7 +354,7 @@ def report(result: dict) -> None:
     for row in result["batches"]:
         cells = "  ".join(f"{mode} {row[mode]['ms_per_token']:.3f} ({row[mode]['ratio_to_floor']:.2f}x, "
                           f"{row[mode]['op_calls_per_step']} op calls)"
-                          for mode in ("fused", "unfused", "engine", "batch_invariant")
+                          for mode in ("fused", "unfused", "persistent", "engine", "batch_invariant")
                           if mode in row)
         print(f"    batch {row['batch']:3d}: floor {row['floor_ms']:.3f}  {cells}")
     invariant = result["batch_invariant"]

@@ -30,12 +30,18 @@ INSTANCES = {  # (head_dim, query heads per K/V head): Llama 3.2 1B/3B, 3.1 8B, 
     "gemm_invariant": [f"template __global__ void gemm_invariant<{t.warps_m}, {t.warps_n}, {t.tm}, {t.tn}, {t.bk}, "
                        f"{t.row_stride}, {t.stages}, {f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, int, "
                        f"int, int);\n" for _, t in INVARIANT_GEMM_TILES for f in ("true", "false")],
+    "fused_decode": [f"template __global__ void rms_norm_gemv<{n}, {f}>(const float*, const __nv_bfloat16*, "
+                     f"const __nv_bfloat16*, void*, float, int, int, int);\n" for n in (1, 8) for f in ("true", "false")]
+    + [f"template __global__ void gemv_add<{n}>(const __nv_bfloat16*, const __nv_bfloat16*, float*, int, int);\n"
+       for n in (1, 8)],
+    "decode_persistent": [f"template __global__ void decode_persistent<{n}, {d}, {g}>(const long long*, int, "
+                          f"unsigned*, unsigned long long*);\n" for n in (1, 2, 8) for d, g in SHAPES],
 }
 
 
 def test_there_are_kernels():
     assert {"embedding", "rms_norm", "rope", "prefill_attention", "swiglu", "argmax", "store_kv",
-            "decode_attention", "paged_attention", "gemv"} <= {k.stem for k in KERNELS}
+            "decode_attention", "paged_attention", "gemv", "decode_persistent"} <= {k.stem for k in KERNELS}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (install the CUDA toolkit to compile-check kernels)")

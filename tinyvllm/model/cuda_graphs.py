@@ -12,9 +12,10 @@ A graph replays the same kernels with the same arguments: the same pointers and 
 With 256 sequences a step's inputs are also host work: DecodeInputs keeps them in pinned host arrays
 that change only where the batch changed, and they go to the GPU in two copies.
 
-Which layer a bucket runs is measured, not assumed: where chapter 8's fused layer can run it, both the
-fused and the unfused step are captured, replayed in turn, and the faster graph is kept (the two give the
-same bits; which is faster depends on the GPU, the model and the batch size).
+Which layer a bucket runs is measured, not assumed: where chapter 8's fused layer can run it, the fused step,
+the unfused step and the persistent step (the fused layer's instruction list in one launch, persistent.py) are
+captured, replayed in turn, and the fastest graph is kept (the three give the same bits; which is fastest
+depends on the GPU, the model and the batch size).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from tinyvllm.model.decode import decode_batch, decode_rows, uses_fused_layer
 from tinyvllm.model.kv_pool import PagedKVPool
+from tinyvllm.model.persistent import build_program, offers_persistent
 from tinyvllm.model.step_plan import BLOCK_SIZE, blocks_for
 from tinyvllm.model.model import Model
 from tinyvllm.model.step_plan import SeqStep, step_inputs
@@ -69,9 +71,9 @@ class DecodeInputs:
 class GraphedDecode:
     """Called like decode_batch(model, pool, steps) without the model and pool; same logits."""
 
-    def __init__(self, model: Model, pool: PagedKVPool, max_num_seqs: int, measure: bool = True):
-        """measure: time the fused and the unfused graph of a bucket and keep the faster (the engine's way);
-        False: the layer uses_fused_layer names (a benchmark comparing the two)."""
+    def __init__(self, model: Model, pool: PagedKVPool, max_num_seqs: int, layer: str | None = None):
+        """layer None: time the graph of every layer that can run a bucket and keep the fastest (the engine's way);
+        "unfused", "fused" or "persistent": that layer wherever it can run (a benchmark comparing them)."""
         import cupy as cp
         import cupyx
         self.cp, self.model, self.pool = cp, model, pool
@@ -84,8 +86,10 @@ class GraphedDecode:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.copied = None  # the event after the last copies: the host arrays are not rewritten before it
         self.graphs: dict[int, object] = {}
-        self.measure = measure
+        self.layer = layer
         self.timings: dict[int, dict[str, float]] = {}   # bucket -> ms per replay of each candidate layer
+        self.chosen: dict[int, str] = {}                 # bucket -> the layer its graph runs
+        self.programs: dict[int, object] = {}   # bucket -> its persistent step (its graph launches it)
 
     def __call__(self, steps: list[SeqStep]):
         n = len(steps)
@@ -114,24 +118,34 @@ class GraphedDecode:
         rt.memcpy2DAsync(self.tables.data.ptr, pitch, self.host.tables.ctypes.data, pitch, columns * 4, size,
                          rt.memcpyHostToDevice, self.stream.ptr)
 
-    def _capture(self, size: int):
-        """The bucket's graph: where the fused layer can run it, the faster of the fused and the unfused."""
-        if not (self.measure and uses_fused_layer(self.model, size)):
-            return self._record(size, fused=uses_fused_layer(self.model, size))
-        graphs = {"fused": self._record(size, fused=True), "unfused": self._record(size, fused=False)}
-        self.timings[size] = self._time(graphs)
-        return graphs[min(self.timings[size], key=self.timings[size].get)]
+    def layers(self, size: int) -> list[str]:
+        """The layers that can run a bucket: the fused layer's range (uses_fused_layer) adds the fused and, where the
+        backend offers it, the persistent step to the unfused layer."""
+        if not uses_fused_layer(self.model, size):
+            return ["unfused"]
+        return ["fused", "unfused"] + (["persistent"] if offers_persistent(self.model.ops) else [])
 
-    def _record(self, size: int, fused: bool):
+    def _capture(self, size: int):
+        """The bucket's graph: the fastest of the layers that can run it, or the one asked for."""
+        layers = self.layers(size)
+        if self.layer is not None or len(layers) == 1:
+            self.chosen[size] = self.layer if self.layer in layers else layers[0]
+            return self._record(size, self.chosen[size])
+        graphs = {layer: self._record(size, layer) for layer in layers}
+        self.timings[size] = self._time(graphs)
+        self.chosen[size] = min(self.timings[size], key=self.timings[size].get)
+        return graphs[self.chosen[size]]
+
+    def _record(self, size: int, layer: str):
         """Run the step once eagerly (kernels compile, cuBLAS picks its algorithms), then record it."""
-        self._run(size, fused)
+        self._run(size, layer)
         self.stream.begin_capture()
-        self._run(size, fused)
+        self._run(size, layer)
         return self.stream.end_capture()
 
     def _time(self, graphs: dict) -> dict[str, float]:
         """Median ms per replay of each graph, replayed in turn. Replays rewrite this step's K/V with the same
-        values (both layers give the same bits), so timing on the live step's inputs is harmless."""
+        values (the layers give the same bits), so timing on the live step's inputs is harmless."""
         times = {name: [] for name in graphs}
         for _ in range(TIMED_REPLAYS):
             for name, graph in graphs.items():
@@ -142,12 +156,18 @@ class GraphedDecode:
                 times[name].append(self.cp.cuda.get_elapsed_time(start, end))
         return {name: float(np.median(t)) for name, t in times.items()}
 
-    def _run(self, size: int, fused: bool) -> None:
+    def _run(self, size: int, layer: str) -> None:
         model, pool, ops, H = self.model, self.pool, self.model.ops, self.model.cfg.num_attention_heads
-        tables, lengths = self.tables[:size], self.lengths[:size]
+        ids, positions, slots = self.ids[:size], self.positions[:size], self.slots[:size]
+        tables, lengths, logits = self.tables[:size], self.lengths[:size], self.logits[:size]
+        if layer == "persistent":   # one program per bucket, encoded once: the graph's launch reads its address
+            if size not in self.programs:
+                self.programs[size] = ops.persistent_program(
+                    build_program(model, ids, positions, slots, pool, tables, lengths, logits))
+            ops.decode_persistent(self.programs[size])
+            return
 
         def attend(layer: int, qkv, attn) -> None:
             ops.paged_attention(qkv, pool.k[layer], pool.v[layer], tables, lengths, attn, H)
 
-        decode_rows(model, self.ids[:size], self.positions[:size], self.slots[:size], pool, attend,
-                    out=self.logits[:size], fused=fused)
+        decode_rows(model, ids, positions, slots, pool, attend, out=logits, fused=layer == "fused")

@@ -54,11 +54,12 @@ def offers_fused_ops(ops) -> bool:
     return all(hasattr(ops, name) for name in FUSED_OPS)
 
 
-def run_layers_fused(model: Model, ids, positions, slots, pool, attend, num_layers: int | None = None):
+def run_layers_fused(model: Model, ids, positions, slots, pool, attend, num_layers: int | None = None, ops=None):
     """run_layers (model.py) for a decode step of up to GEMV_MAX_ROWS rows, with the fused kernels: token ids[r] at
     position positions[r], its K/V stored to pool slot slots[r], attention by attend(layer, qkv, attn_out), through
-    the first num_layers layers (None: all). Returns the residual stream with every layer's output already added."""
-    cfg, ops, T = model.cfg, model.ops, len(ids)
+    the first num_layers layers (None: all). Returns the residual stream with every layer's output already added.
+    ops: the backend that runs the ops (None: the model's; persistent.py passes one that writes them down instead)."""
+    cfg, ops, T = model.cfg, model.ops if ops is None else ops, len(ids)
     b = {name: buf[:T] for name, buf in model.buffers.items()}
     residual, qkv, attn, act = b["residual"], b["qkv"], b["attn_out"], b["mlp_act"]
     H, KVH, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -74,10 +75,10 @@ def run_layers_fused(model: Model, ids, positions, slots, pool, attend, num_laye
     return residual
 
 
-def final_logits_fused(model: Model, residual, rows: slice, out=None):
+def final_logits_fused(model: Model, residual, rows: slice, out=None, ops=None):
     """final_logits (model.py) for the rows of a slice: the final norm and the lm_head in one rms_norm_gemv, fp32
-    logits (rows, vocab), into `out` if given (a CUDA graph's static output), else a new array."""
-    ops = model.ops
+    logits (rows, vocab), into `out` if given (a CUDA graph's static output), else a new array. ops: as run_layers_fused."""
+    ops = model.ops if ops is None else ops
     residual = residual[rows]
     logits = ops.xp.empty((len(residual), model.cfg.vocab_size), dtype=np.float32) if out is None else out
     ops.rms_norm_gemv(residual, model.final_norm, model.lm_head, logits, model.cfg.rms_norm_eps)

@@ -54,6 +54,24 @@ GEMV_LOADS = 4  # 16-byte weight loads a lane issues before using any (chapter 8
 # once per block (1 to 4 blocks per SM measured alike on an H200)
 FUSED_BLOCKS_PER_SM = 2
 
+# Chapter 8's persistent decode step (kernels/decode_persistent.cu): the fused layer's ops as an instruction list
+# that one launch walks. An instruction is INSTRUCTION_WORDS int64: its op's index here, then the op's arguments.
+PERSISTENT_OPS = ("embedding", "rms_norm_gemv", "rms_norm_gemv_swiglu", "gemv_add", "rope_store_kv",
+                  "paged_attention", "merge_splits")
+INSTRUCTION_WORDS = 16
+# What was tried against the grid barrier's cost, measured on an H200 at batch 1 (bench/persistent_timeline.py
+# --define ...; persistent_prefetch-20261203-160300.json, persistent_sweep-20261203-161400/-162400.json), each at its
+# best value here, 0 turning it off:
+#   PREFETCH_BYTES: before a block waits at a barrier, each warp asks L2 for up to this many bytes of its rows of the
+#     first projection among the next PREFETCH_AHEAD instructions: 8 KB cost 0.09-0.23 ms a step, 16 KB 0.16 ms;
+#   BARRIER_FLAGS: 1 = the last block to arrive writes every block's own flag (no polling of one line): the barriers
+#     took 229 us a step against 132 us polling the counter;
+#   BARRIER_BACKOFF_NS: a polling block sleeps this long between loads: 200 ns changed nothing.
+PREFETCH_BYTES = 0
+PREFETCH_AHEAD = 4
+BARRIER_FLAGS = 0
+BARRIER_BACKOFF_NS = 0
+
 # The batch-invariant mode (chapter 7): paged attention splits every context into parts of a size fixed by its own
 # length, at every batch size: span = INVARIANT_SPLIT_TOKENS x ceil(ceil(length / INVARIANT_SPLIT_TOKENS) /
 # MAX_SPLITS), at most MAX_SPLITS parts (decode_attention.cuh's split_span), so a row's sums never follow the batch
@@ -141,6 +159,12 @@ KERNEL_CONSTANTS = {
     "GEMV_LOADS": GEMV_LOADS,
     "FUSED_BLOCKS_PER_SM": FUSED_BLOCKS_PER_SM,
     "INVARIANT_CHUNK": INVARIANT_CHUNK,
+    "INSTRUCTION_WORDS": INSTRUCTION_WORDS,
+    "PREFETCH_BYTES": PREFETCH_BYTES,
+    "PREFETCH_AHEAD": PREFETCH_AHEAD,
+    "BARRIER_FLAGS": BARRIER_FLAGS,
+    "BARRIER_BACKOFF_NS": BARRIER_BACKOFF_NS,
+    **{f"OP_{name.upper()}": code for code, name in enumerate(PERSISTENT_OPS)},
 }
 
 

@@ -21,9 +21,11 @@ from tinyvllm.model.backend.constants import (
     GEMV_DECODE_ROWS,
     GEMV_MAX_ROWS,
     GEMV_THREADS,
+    INSTRUCTION_WORDS,
     INVARIANT_CHUNK,
     MAX_SPLITS,
     NORM_VECTOR,
+    PERSISTENT_OPS,
     PREFILL_HEAD_DIMS,
     PREFILL_THREADS,
     PREFILL_TILE,
@@ -164,6 +166,115 @@ def _launch_norm_gemv(name: str, T: int, K: int, columns: int, args: tuple) -> N
     k((blocks,), (GEMV_THREADS,), args, shared_mem=smem)
 
 
+# ---- chapter 8, last section: the decode step in one launch (kernels/decode_persistent.cu, model/persistent.py)
+
+class PersistentProgram:
+    """A step's instruction list on the GPU: (count, INSTRUCTION_WORDS) int64, with the kernel instance that runs it
+    and the counter its grid barrier counts on. Kept alive by whoever replays its launch (a CUDA graph)."""
+
+    def __init__(self, words: np.ndarray, rows: int, hidden: int, head_dim: int, group: int):
+        self.words, self.count = cp.asarray(words), len(words)
+        self.rows, self.hidden = rows, hidden
+        self.name = f"decode_persistent<{rows}, {head_dim}, {group}>"
+        self.arrived = cp.zeros(32, np.uint32)   # grid_barrier's counter, then a 128-byte flag a block (launch sizes it)
+
+
+def persistent_program(calls: list[tuple[str, tuple]]) -> PersistentProgram:
+    """Encode a step's instruction list (model/persistent.py): one row of int64 words per instruction, the op's code
+    then its kernel's arguments (pointers as addresses, floats as their bits); paged attention that splits its
+    contexts becomes two instructions, the attention and the merge, a barrier apart."""
+    words, shapes = [], {"rows": set(), "hidden": set(), "heads": set()}
+    for name, args in calls:
+        for row in _encode(name, args, shapes):
+            words.append(row + [0] * (INSTRUCTION_WORDS - len(row)))
+    (rows,), (hidden,), ((head_dim, group),) = shapes["rows"], shapes["hidden"], shapes["heads"]  # one of each a step
+    return PersistentProgram(np.asarray(words, dtype=np.int64), rows, hidden, head_dim, group)
+
+
+def _encode(name: str, args: tuple, shapes: dict[str, set]) -> list[list[int]]:
+    """The instruction rows of one call, in the argument order kernels/decode_persistent.cu reads; what the call
+    says of the step's shape into `shapes`: its rows, the width its norm runs over, (head_dim, query heads per K/V
+    head) of its attention — the kernel's template arguments and its shared memory."""
+    code = PERSISTENT_OPS.index(name)
+    if name == "embedding":
+        ids, table, residual = args
+        shapes["rows"].add(len(ids))
+        return [[code, ids.data.ptr, table.data.ptr, residual.data.ptr, residual.shape[1]]]
+    if name in ("rms_norm_gemv", "rms_norm_gemv_swiglu"):
+        residual, norm_weight, w, out, eps = args
+        _fused_shapes_ok(residual, w)
+        shapes["rows"].add(residual.shape[0])
+        shapes["hidden"].add(residual.shape[1])
+        K, N = residual.shape[1], out.shape[1]
+        head = [code, residual.data.ptr, norm_weight.data.ptr, w.data.ptr, out.data.ptr, _float_bits(eps), K, N]
+        if name == "rms_norm_gemv_swiglu":
+            assert out.flags.c_contiguous and w.shape[0] == 2 * N, "act: whole (T, inter) rows"
+            return [head]
+        assert out.strides[1] == out.itemsize
+        return [head + [out.strides[0] // out.itemsize, int(out.dtype == np.float32)]]
+    if name == "gemv_add":
+        x, w, residual = args
+        assert x.strides == w.strides == (2 * x.shape[1], 2) and residual.flags.c_contiguous
+        return [[code, x.data.ptr, w.data.ptr, residual.data.ptr, x.shape[1], w.shape[0]]]
+    if name == "rope_store_kv":
+        qkv, positions, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim = args
+        assert k_cache.flags.c_contiguous and v_cache.flags.c_contiguous and k_cache.shape[1:] == (num_kv_heads, head_dim)
+        return [[code, qkv.data.ptr, positions.data.ptr, cos.data.ptr, sin.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                 slots.data.ptr, num_heads, num_kv_heads, head_dim, qkv.strides[0] // 2]]
+    if name == "paged_attention":
+        qkv, k_cache, v_cache, tables, lengths, out, num_heads = args
+        n, (_, kv_heads, head_dim) = out.shape[0], k_cache.shape
+        assert tables.flags.c_contiguous and tables.dtype == np.int32 and qkv.strides[0] % 16 == 0
+        shapes["rows"].add(n)
+        shapes["heads"].add((head_dim, num_heads // kv_heads))
+        splits = _default_splits(n, kv_heads)
+        partial = _split_workspace(num_heads, head_dim, _workspace_rows(n))
+        out_stride = out.strides[0] // 2
+        attend = [code, qkv.data.ptr, k_cache.data.ptr, v_cache.data.ptr, tables.data.ptr, tables.shape[1],
+                  lengths.data.ptr, out.data.ptr, kv_heads, qkv.strides[0] // 2, out_stride,
+                  _float_bits(head_dim ** -0.5), partial.data.ptr, 0, splits]
+        merge = [PERSISTENT_OPS.index("merge_splits"), partial.data.ptr, splits, lengths.data.ptr, 0, out.data.ptr,
+                 out_stride, num_heads]
+        return [attend, merge] if splits > 1 else [attend]
+    raise ValueError(f"the persistent kernel has no op {name!r}: it runs {PERSISTENT_OPS}")
+
+
+def _resident_blocks_per_sm(k: cp.RawKernel, smem: int) -> int:
+    """How many of the kernel's blocks an SM holds at once, FUSED_BLOCKS_PER_SM at most: its registers (capped by
+    __launch_bounds__ for FUSED_BLOCKS_PER_SM blocks) and its shared memory, static and dynamic, must fit."""
+    attributes, device = k.attributes, cp.cuda.Device().attributes
+    by_registers = device["MaxRegistersPerMultiprocessor"] // (attributes["num_regs"] * GEMV_THREADS)
+    by_memory = device["MaxSharedMemoryPerMultiprocessor"] // (attributes["shared_size_bytes"] + smem + 1024)
+    return max(1, min(FUSED_BLOCKS_PER_SM, by_registers, by_memory))
+
+
+def _float_bits(value: float) -> int:
+    return int(np.float32(value).view(np.int32))
+
+
+def decode_persistent(program: PersistentProgram, timeline: cp.ndarray | None = None) -> None:
+    """One launch runs the whole step: as many blocks as can be resident at once (they wait for each other at the
+    grid barriers), FUSED_BLOCKS_PER_SM per SM at most. timeline: None, or persistent_blocks() x count x 4 uint64
+    that the kernel fills with when each block began and ended each instruction (bench/persistent_timeline.py)."""
+    k = kernel("decode_persistent", program.name)
+    smem = norm_gemv_smem(program.rows, program.hidden)
+    if smem > 48 * 1024:
+        k.max_dynamic_shared_size_bytes = smem
+    blocks = persistent_blocks(program)
+    if program.arrived.size < 32 * (blocks + 1):   # the first launch, eager, before a graph captures the address
+        program.arrived = cp.zeros(32 * (blocks + 1), np.uint32)
+    program.arrived.fill(0)
+    k((blocks,), (GEMV_THREADS,),
+      (program.words, np.int32(program.count), program.arrived, np.uint64(0) if timeline is None else timeline),
+      shared_mem=smem)
+
+
+def persistent_blocks(program: PersistentProgram) -> int:
+    """The persistent kernel's grid for this program: every block resident at once."""
+    k = kernel("decode_persistent", program.name)
+    return _resident_blocks_per_sm(k, norm_gemv_smem(program.rows, program.hidden)) * _multiprocessors()
+
+
 def free_cached_memory() -> None:
     """Hand the memory CuPy caches for reuse back to the driver: a freed array's device memory stays in
     CuPy's pool (and pinned host memory in its pinned pool), where no other process can have it."""
@@ -283,11 +394,9 @@ def paged_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, b
     split_tokens, at most `splits` of them (decode_attention.cuh's split_span), at any batch size."""
     assert block_tables.flags.c_contiguous and block_tables.dtype == np.int32
     n, (_, kv_heads, head_dim) = out.shape[0], k_cache.shape
-    if splits is None:
-        blocks, sms = n * kv_heads, _multiprocessors()
-        splits = min(MAX_SPLITS, -(-2 * sms // blocks)) if 2 * blocks <= sms and n <= SPLIT_MAX_ROWS else 1
+    splits = _default_splits(n, kv_heads) if splits is None else splits
     assert 1 <= splits <= MAX_SPLITS and (splits == 1 or split_tokens or n <= SPLIT_MAX_ROWS)
-    partial = _split_workspace(num_heads, head_dim, max(SPLIT_MAX_ROWS, 1 << (n - 1).bit_length()))
+    partial = _split_workspace(num_heads, head_dim, _workspace_rows(n))
     _launch_decode("paged_attention", qkv, k_cache, v_cache,
                    (block_tables, np.int32(block_tables.shape[1]), lengths), out, num_heads, splits,
                    (partial, np.int32(split_tokens)))
@@ -295,6 +404,15 @@ def paged_attention(qkv: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, b
         kernel("paged_attention", f"merge_splits<{head_dim}>")(
             (num_heads, n), (head_dim,),
             (partial, np.int32(splits), lengths, np.int32(split_tokens), out, np.int32(out.strides[0] // 2)))
+
+
+def _workspace_rows(n: int) -> int:
+    return max(SPLIT_MAX_ROWS, 1 << (n - 1).bit_length())
+
+
+def _default_splits(n: int, kv_heads: int) -> int:
+    blocks, sms = n * kv_heads, _multiprocessors()
+    return min(MAX_SPLITS, -(-2 * sms // blocks)) if 2 * blocks <= sms and n <= SPLIT_MAX_ROWS else 1
 
 
 @functools.lru_cache(maxsize=None)

@@ -211,6 +211,20 @@ def rope_store_kv(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: 
     store_kv(qkv, k_cache, v_cache, slots, num_heads)
 
 
+# ---- chapter 8, last section: the persistent decode step's twin (kernels/decode_persistent.cu, model/persistent.py)
+
+def persistent_program(calls: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """The backend's form of a step's instruction list: here the list itself (CUDA: int64 words on the GPU)."""
+    return list(calls)
+
+
+def decode_persistent(program: list[tuple[str, tuple]]) -> None:
+    """Run the instruction list in order, each instruction by its op's twin: what every block of the kernel does
+    in turn, one grid barrier apart."""
+    for name, args in program:
+        globals()[name](*args)
+
+
 _SCRATCH: dict[tuple, np.ndarray] = {}   # (role, shape) -> its float32 array, allocated once
 
 

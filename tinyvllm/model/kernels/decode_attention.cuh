@@ -141,13 +141,13 @@ __device__ __forceinline__ int split_span(int length, int splits, int split_toke
 // Only the row's own non-empty splits are read, in order; a row of one part was written by paged_attention.
 // Launch: grid (num_heads, n), block (HEAD_DIM). Layout: partial fp32 (n, num_heads, splits, HEAD_DIM + 2)
 //   = output, max, sum of each split; lengths int32 (n,); out bf16 (n, out_stride).
+// One output value of merge_splits: dimension d of one (sequence, query head) whose splits are at p (splits x
+// (HEAD_DIM + 2) fp32), its context `length` tokens long.
 template <int HEAD_DIM>
-__global__ void merge_splits(const float* __restrict__ partial, int splits, const int* __restrict__ lengths,
-                             int split_tokens, __nv_bfloat16* __restrict__ out, int out_stride) {
-    const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
-    const float* p = partial + ((long long)b * gridDim.x + h) * splits * (HEAD_DIM + 2);
-    const int span = split_span(lengths[b], splits, split_tokens);
-    const int parts = span > 0 ? (lengths[b] + span - 1) / span : 0;  // the row's own splits: the rest are empty
+__device__ __forceinline__ void merge_one(const float* __restrict__ p, int splits, int length, int split_tokens,
+                                          __nv_bfloat16* __restrict__ out, int d) {
+    const int span = split_span(length, splits, split_tokens);
+    const int parts = span > 0 ? (length + span - 1) / span : 0;  // the row's own splits: the rest are empty
     if (parts <= 1) return;  // one part: paged_attention wrote out itself
     float max_all = -INFINITY;
     for (int s = 0; s < parts; ++s) max_all = fmaxf(max_all, p[s * (HEAD_DIM + 2) + HEAD_DIM]);
@@ -157,5 +157,13 @@ __global__ void merge_splits(const float* __restrict__ partial, int splits, cons
         sum += weight * p[s * (HEAD_DIM + 2) + d];
         denom += weight * p[s * (HEAD_DIM + 2) + HEAD_DIM + 1];
     }
-    out[(long long)b * out_stride + h * HEAD_DIM + d] = __float2bfloat16(sum / denom);
+    out[d] = __float2bfloat16(sum / denom);
+}
+
+template <int HEAD_DIM>
+__global__ void merge_splits(const float* __restrict__ partial, int splits, const int* __restrict__ lengths,
+                             int split_tokens, __nv_bfloat16* __restrict__ out, int out_stride) {
+    const int h = blockIdx.x, b = blockIdx.y;
+    merge_one<HEAD_DIM>(partial + ((long long)b * gridDim.x + h) * splits * (HEAD_DIM + 2), splits, lengths[b],
+                        split_tokens, out + (long long)b * out_stride + h * HEAD_DIM, threadIdx.x);
 }

@@ -13,14 +13,16 @@
 #ifndef BLOCK_SIZE
 #error "BLOCK_SIZE comes from Python (tinyvllm/model/kv_pool.py, passed on by backend/constants.py) through -D"
 #endif
+#pragma once
 #include "decode_attention.cuh"  // which stops unless DECODE_THREADS and BF16_PER_VECTOR come through -D
 
+// The work of one block of paged_attention: K/V head kv_head of row b, split `split` of `splits`.
 template <int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(DECODE_THREADS)
-paged_attention(const __nv_bfloat16* qkv, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
-                const int* block_tables, int max_blocks, const int* lengths, __nv_bfloat16* out, int num_kv_heads,
-                int qkv_stride, int out_stride, float scale, float* partial, int split_tokens) {
-    const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+__device__ void paged_attention_item(int kv_head, int b, int split, int splits, const __nv_bfloat16* qkv,
+                                     const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+                                     const int* block_tables, int max_blocks, const int* lengths, __nv_bfloat16* out,
+                                     int num_kv_heads, int qkv_stride, int out_stride, float scale, float* partial,
+                                     int split_tokens) {
     const int* table = block_tables + (long long)b * max_blocks;
     const long long head_offset = (long long)kv_head * HEAD_DIM;
     const int span = split_span(lengths[b], splits, split_tokens), begin = split * span;
@@ -33,4 +35,14 @@ paged_attention(const __nv_bfloat16* qkv, const __nv_bfloat16* k_cache, const __
         v_cache + head_offset, (long long)num_kv_heads * HEAD_DIM, begin, min(lengths[b], begin + span),
         [=](int t) { return (long long)table[t / BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE; },
         out + (long long)b * out_stride + kv_head * GROUP * HEAD_DIM, scale, mine, splits * (HEAD_DIM + 2));
+}
+
+template <int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(DECODE_THREADS)
+paged_attention(const __nv_bfloat16* qkv, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+                const int* block_tables, int max_blocks, const int* lengths, __nv_bfloat16* out, int num_kv_heads,
+                int qkv_stride, int out_stride, float scale, float* partial, int split_tokens) {
+    paged_attention_item<HEAD_DIM, GROUP>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, qkv, k_cache, v_cache,
+                                          block_tables, max_blocks, lengths, out, num_kv_heads, qkv_stride,
+                                          out_stride, scale, partial, split_tokens);
 }
