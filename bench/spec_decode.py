@@ -1,8 +1,8 @@
-"""What speculative decoding (prompt lookup, or early exit) buys, on the CPU or a GPU, and where it does not.
+"""What speculative decoding (prompt lookup, early exit, or a draft model) buys, on the CPU or a GPU, and where not.
 
     python bench/spec_decode.py [--model default] [--device cpu] [--tokens 96] [--runs 3] [--k 4]
-                                [--method ngram | --method early_exit --draft-layers 24] [--batch 1]
-                                [--no-batch-limit]
+                                [--method ngram | --method early_exit --draft-layers 24
+                                 | --method draft_model --draft-model DIR] [--batch 1] [--no-batch-limit]
 
 Two workloads, each a few chat requests run one at a time (batch 1: the latency a user sees), greedy:
   grounded   the answer repeats its input: repeat a paragraph, fix a typo in code, rename a variable
@@ -77,12 +77,15 @@ def spread(values: list[float]) -> dict:
 
 
 def bench(model: str, device: str, tokens: int, runs: int, k: int, method: str = "ngram",
-          draft_layers: int | None = None, batch: int = 1, batch_limit: bool = True) -> dict:
+          draft_layers: int | None = None, batch: int = 1, batch_limit: bool = True,
+          draft_model: str | None = None) -> dict:
     params = SamplingParams(temperature=0, max_tokens=tokens)
     share = {"num_blocks": 4096} if device == "cuda" else {}   # two engines share the GPU: a pool each, not 90% each
     speculation = {"method": method, "num_speculative_tokens": k}
     if method == "early_exit":
         speculation["num_draft_layers"] = draft_layers
+    if method == "draft_model":
+        speculation["model"] = draft_model
     llms = {"off": LLM(model, device=device, **share),
             method: LLM(model, device=device, speculative_config=speculation, **share)}   # keyed by the method
     if not batch_limit:   # what a large batch's speculation costs: the rule that turns it off, off
@@ -120,8 +123,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="max_tokens per request")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--method", default="ngram", choices=["ngram", "early_exit"], help="speculative_method")
+    parser.add_argument("--method", default="ngram", choices=["ngram", "early_exit", "draft_model"],
+                        help="speculative_method")
     parser.add_argument("--draft-layers", type=int, default=24, help="early_exit: num_draft_layers")
+    parser.add_argument("--draft-model", default="default",
+                        help="draft_model: the draft ('default', or a HF model directory with the model's vocabulary)")
     parser.add_argument("--batch", type=int, default=1, help="requests at once (1: one at a time)")
     parser.add_argument("--no-batch-limit", action="store_true",
                         help="speculate at any batch (the engine stops above MAX_SPECULATING_BATCH decoding sequences)")
@@ -129,8 +135,9 @@ def main() -> None:
     args = parser.parse_args()
     load_at_start = os.getloadavg()
     draft_layers = args.draft_layers if args.method == "early_exit" else None
+    draft_model = args.draft_model if args.method == "draft_model" else None
     results = bench(args.model, args.device, args.tokens, args.runs, args.k, args.method, draft_layers, args.batch,
-                    not args.no_batch_limit)
+                    not args.no_batch_limit, draft_model)
     for name, r in results.items():
         off, on = r["tokens_per_s"]["off"], r["tokens_per_s"][args.method]
         print(f"{name:9s} off {off['median']:6.1f} tok/s [{off['min']:.1f}, {off['max']:.1f}]   "
@@ -142,6 +149,7 @@ def main() -> None:
         "workload": {"requests": {name: max(len(p), args.batch) for name, p in WORKLOADS.items()},
                      "batch": args.batch, "greedy": True, "max_tokens": args.tokens, "runs": args.runs,
                      "method": args.method, "num_speculative_tokens": args.k, "num_draft_layers": draft_layers,
+                     "draft_model": draft_model,
                      "batch_limit": not args.no_batch_limit},
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count(),
                     "python": platform.python_version(), "numpy": np.__version__, "threads": thread_settings(),

@@ -342,7 +342,9 @@ def test_a_stop_token_or_max_tokens_inside_an_accepted_run_ends_the_output_there
     prompts = random_prompts(rng, 6)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     answers = [ids for ids, _, _ in run(plain, prompts, [greedy] * 6)]
-    params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(2, 30)), ignore_eos=True,
+    # odd rows stop at a token of their answer (max_tokens = the answer's length, so the stop comes first), even rows
+    # at a random max_tokens: both endings happen for every seed
+    params = [SamplingParams(temperature=0, max_tokens=30 if i % 2 else int(rng.integers(2, 30)), ignore_eos=True,
                              stop_token_ids=[int(rng.choice(a[1:]))] if i % 2 else None)
               for i, a in enumerate(answers)]
     want = run(plain, prompts, params)

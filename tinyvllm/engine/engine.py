@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from dataclasses import replace
 from typing import NamedTuple
 
 from tinyvllm.engine.engine_config import EngineConfig
@@ -53,7 +54,8 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_token_ids) | set(runner.model.cfg.eos_token_ids)
         self.scheduler = Scheduler(runner.pool.num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching, config.long_prefill_token_threshold,
-                                   make_proposer(config), config.num_speculative_tokens,
+                                   make_proposer(config, 0 if runner.draft is None else runner.draft.num_layers),
+                                   config.num_speculative_tokens,
                                    MAX_SPECULATING_BATCH[config.device], MIN_ACCEPTANCE[config.device])
         self.structured = StructuredOutputCompiler(tokenizer.token_bytes, runner.model.cfg.vocab_size)
         self.spec_stats = SpecDecodeStats()   # chapter 10: proposed and accepted tokens, verifications
@@ -68,11 +70,22 @@ class Engine:
         step buffers, the KV pool in the memory that is left (chapter 6), CUDA graphs (chapter 7)."""
         device, model_dir = ModelRunner.resolve_device(config.device), resolve_model(config.model)
         cfg = load_config(model_dir)  # a bad config.json is reported before anything else is read
-        config.check_model(cfg)
+        draft_dir = draft_cfg = None
+        if config.speculative_method == "draft_model":   # chapter 10: a second model, its files checked as early
+            draft_dir = resolve_model(config.speculative_model, "draft model path",
+                                      'give speculative_config\'s "model" as default or a HF-layout directory '
+                                      '(config.json + *.safetensors)')
+            draft_cfg = load_config(draft_dir)
+        config.check_model(cfg, draft_cfg)
         tokenizer = load_tokenizer(model_dir)
         model_len = cfg.context_window(config.max_model_len)
+        if draft_cfg is not None and draft_cfg.context_window(model_len) < model_len:   # the draft sees every position
+            log.info("max_model_len lowered from %d to %d: the draft model's context window", model_len,
+                     draft_cfg.context_window(model_len))
+            model_len = draft_cfg.context_window(model_len)
+            config = replace(config, max_model_len=model_len)
         runner = ModelRunner.load(model_dir, device, model_len, config.step_tokens(device, cfg), config.num_blocks,
-                                  config.gpu_memory_utilization, config.batch_invariant)
+                                  config.gpu_memory_utilization, config.batch_invariant, draft_dir)
         num_blocks = runner.pool.num_blocks
         clamped = config.clamped(device, cfg, num_blocks)
         if clamped.max_model_len < model_len:  # one sequence must fit the pool: never refuse a request later

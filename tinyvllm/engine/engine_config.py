@@ -24,11 +24,11 @@ CPU_STEP_FLOPS = 1.5e10
 # waits about one such step, not the long prompt's whole prefill. The CPU's budget is already small: half
 # of it; a GPU's is sized for throughput: 1,024 of its 8,192 keep a step of a 1B model in milliseconds.
 LONG_PREFILL_SHARE = {"cpu": 2, "cuda": 8}
-SPECULATIVE_METHODS = ("ngram", "early_exit")   # chapter 10's proposers (engine/spec_decode.py); None: no speculation
+SPECULATIVE_METHODS = ("ngram", "early_exit", "draft_model")   # chapter 10's proposers (engine/spec_decode.py)
 # vLLM's speculative_config keys (and num_draft_layers, early exit's), and the EngineConfig field each one sets
 SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
                            "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
-                           "num_draft_layers": "num_draft_layers"}
+                           "num_draft_layers": "num_draft_layers", "model": "speculative_model"}
 
 
 def speculative_settings(speculative_config: dict | str) -> dict:
@@ -46,6 +46,12 @@ def speculative_settings(speculative_config: dict | str) -> dict:
     unknown = sorted(set(speculative_config) - set(SPECULATIVE_CONFIG_KEYS))
     if unknown:
         raise TinyVLLMError(f"speculative_config has unknown keys {unknown}; the keys are {list(SPECULATIVE_CONFIG_KEYS)}")
+    if speculative_config.get("method") is None and speculative_config.get("model") is not None:
+        # vLLM's rule: a model without a method is a draft model ("ngram" as the model name: prompt lookup)
+        method = "ngram" if speculative_config["model"] in ("ngram", "[ngram]") else "draft_model"
+        speculative_config = {**speculative_config, "method": method}
+        if method == "ngram":
+            del speculative_config["model"]
     return {SPECULATIVE_CONFIG_KEYS[key]: value for key, value in speculative_config.items()}
 
 
@@ -95,14 +101,17 @@ class EngineConfig:
               f"1/{LONG_PREFILL_SHARE['cuda']} on a GPU)")
     speculative_method: str | None = setting(
         None, "speculative decoding: 'ngram' proposes the tokens that followed the last few tokens earlier in the "
-              "prompt and output (prompt lookup); 'early_exit' the model's own first num_draft_layers layers; every "
-              "step verifies them (default: off)", SPECULATIVE_METHODS)
+              "prompt and output (prompt lookup); 'early_exit' the model's own first num_draft_layers layers; "
+              "'draft_model' a second, smaller model with the same vocabulary (speculative_model); every step "
+              "verifies them (default: off)", SPECULATIVE_METHODS)
     num_speculative_tokens: int = setting(4, "tokens proposed per sequence and step, with speculative_method")
     prompt_lookup_max: int = setting(4, "ngram: the longest suffix looked up in the prompt and output")
     prompt_lookup_min: int = setting(2, "ngram: the shortest suffix looked up (shorter ones match more, but "
                                         "their guesses are kept less often)")
     num_draft_layers: int | None = setting(None, "early_exit: the layers the draft runs, 1 to the model's layers - 1 "
                                                  "(more: better guesses, dearer ones)")
+    speculative_model: str | None = setting(None, "draft_model: the draft, 'default' or a HF model directory with "
+                                                  "the model's vocabulary (speculative_config's \"model\")")
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -119,16 +128,29 @@ class EngineConfig:
         if self.speculative_method == "early_exit" and self.num_draft_layers is None:
             raise TinyVLLMError("speculative_method early_exit needs num_draft_layers: how many of the model's first "
                                 "layers make the draft")
+        if self.speculative_method == "draft_model" and not self.speculative_model:
+            raise TinyVLLMError('speculative_method draft_model needs the draft: speculative_config\'s "model" (or '
+                                "speculative_model), 'default' or a HF model directory")
+        if self.speculative_model is not None and self.speculative_method != "draft_model":
+            raise TinyVLLMError(f"speculative_model {self.speculative_model!r} is draft_model's, but speculative_method "
+                                f"is {self.speculative_method!r}; give method draft_model, or leave the model out")
+        if self.num_draft_layers is not None and self.speculative_method == "draft_model":
+            raise TinyVLLMError("num_draft_layers is early_exit's; a draft_model runs all of its own layers")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise TinyVLLMError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                                 f"({self.prompt_lookup_max})")
 
-    def check_model(self, cfg: LlamaConfig) -> None:
-        """The settings that depend on the model, checked before its weights are read."""
+    def check_model(self, cfg: LlamaConfig, draft_cfg: LlamaConfig | None = None) -> None:
+        """The settings that depend on the model (and the draft model's config, with draft_model), checked before
+        any weights are read."""
         layers = cfg.num_hidden_layers
         if self.speculative_method == "early_exit" and not self.num_draft_layers < layers:
             raise TinyVLLMError(f"num_draft_layers must be 1 to {layers - 1} for this model of {layers} layers (the "
                                 f"draft is its first layers, never all of them), got {self.num_draft_layers}")
+        if draft_cfg is not None and draft_cfg.vocab_size != cfg.vocab_size:
+            # a guess is a token id: the target must read the draft's ids as the same tokens
+            raise TinyVLLMError(f"the draft model {self.speculative_model} has a vocabulary of {draft_cfg.vocab_size} "
+                                f"tokens, the model {cfg.vocab_size}; a draft_model must share the model's tokenizer")
 
     @classmethod
     def names(cls) -> list[str]:

@@ -12,7 +12,9 @@ A proposer makes the guesses. Here: prompt lookup (n-gram matching), which needs
 shines when the answer repeats its input (editing a text, answering about a document, code): the last
 few tokens of the sequence are looked up in what came before, and what followed them there is proposed.
 And early exit (self-speculation): the model's own first layers guess, in the step itself (model/early_exit.py);
-here it only says how many guesses, as placeholders the model runner fills in.
+here it only says how many guesses, as placeholders the model runner fills in. A draft model (vLLM's "draft_model"):
+a second, smaller model with the same vocabulary guesses, in the step too, from its own KV pool (model/draft_model.py);
+placeholders again.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class NgramProposer:
         return []
 
 
-DRAFTED = 0   # a placeholder proposal: the model runner replaces it with the early-exit draft's guess
+DRAFTED = 0   # a placeholder proposal: the model runner replaces it with its draft's guess (early exit, draft model)
 
 
 class EarlyExitProposer:
@@ -65,6 +67,12 @@ class EarlyExitProposer:
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         return [DRAFTED] * k   # always k guesses: the draft has one for every position
+
+
+class DraftModelProposer(EarlyExitProposer):
+    """A draft model (vLLM's "draft_model"): the guesses are the argmax of a second, smaller model that shares the
+    target's vocabulary, all num_draft_layers of its layers. The model runner holds it and its KV pool
+    (model/draft_model.py), so, as for early exit, the scheduler plans placeholders and the runner drafts them."""
 
 
 # Never lose (chapter 10): a verification of k proposals costs more than a decode step, so a sequence whose proposals
@@ -126,12 +134,15 @@ class SpeculationGate:
         self.resting.pop(seq_id, None)
 
 
-def make_proposer(config: EngineConfig) -> Proposer | None:
-    """The proposer the settings ask for (speculative_method, checked by EngineConfig); None: speculation off."""
+def make_proposer(config: EngineConfig, draft_model_layers: int = 0) -> Proposer | None:
+    """The proposer the settings ask for (speculative_method, checked by EngineConfig); None: speculation off.
+    draft_model_layers: with draft_model, the layers of the draft model the runner loaded."""
     if config.speculative_method is None:
         return None
     if config.speculative_method == "early_exit":
         return EarlyExitProposer(config.num_draft_layers)
+    if config.speculative_method == "draft_model":
+        return DraftModelProposer(draft_model_layers)
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 

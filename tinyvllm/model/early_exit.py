@@ -16,6 +16,9 @@ Drafting k guesses is k one-token passes through L layers (and the full LM head 
 a big share of a small model's weights), all verifying sequences together as one batch per pass, each guess the
 argmax of the draft's logits: a point-mass proposal, which the sampler's verify() already handles (as n-gram's).
 L trades the two costs: more layers, better guesses (more kept per verification) but dearer ones.
+
+The same loop drafts for a draft model (draft_model.py): with_drafts and draft take the model and the pool to draft
+with, so there they get the draft model, all its layers, and its own pool, whose slots are the verification's too.
 """
 from __future__ import annotations
 
@@ -27,17 +30,18 @@ from tinyvllm.model.step_plan import SeqStep, StepPlan
 
 
 def with_drafts(model: Model, pool, plan: StepPlan) -> StepPlan:
-    """The plan with its verifications' placeholder proposals replaced by the early-exit draft's guesses
-    (plan.draft_layers layers). A new plan: the scheduler's stays as it planned it. On a GPU each pass's guesses
-    come to the host (the next pass's token ids are built there): launch waits for the draft, not the verification."""
+    """The plan with its verifications' placeholder proposals replaced by the guesses of the first plan.draft_layers
+    layers of `model`, whose K/V are in `pool`: the target and its pool (early exit), or the draft model and its own
+    (draft_model.py). A new plan: the scheduler's stays as it planned it. On a GPU each pass's guesses come to the
+    host (the next pass's token ids are built there): launch waits for the draft, not the verification."""
     drafts = draft(model, pool, plan.verifies, plan.draft_layers)
     verifies = [replace(s, token_ids=[s.token_ids[0], *guesses]) for s, guesses in zip(plan.verifies, drafts)]
     return replace(plan, verifies=verifies, draft_layers=0)
 
 
 def draft(model: Model, pool, verifies: list[SeqStep], num_layers: int) -> list[list[int]]:
-    """Per verification, its `proposed` greedy guesses from the model's first num_layers layers: pass j feeds every
-    sequence still drafting its token at position start + j (its newest token, then its previous guess)."""
+    """Per verification, its `proposed` greedy guesses from the model's first num_layers layers (None: all): pass j
+    feeds every sequence still drafting its token at position start + j (its newest token, then its previous guess)."""
     guesses: list[list[int]] = [[] for _ in verifies]
     for j in range(max(s.proposed for s in verifies)):
         drafting = [i for i, s in enumerate(verifies) if s.proposed > j]   # fewer guesses for some: budget, blocks
@@ -49,7 +53,8 @@ def draft(model: Model, pool, verifies: list[SeqStep], num_layers: int) -> list[
 
 
 def draft_step(verify: SeqStep, guesses: list[int], j: int) -> SeqStep:
-    """Draft pass j of one verification: one token at position start + j, its K/V (layers < L) into the slot the
-    verification will overwrite there, attending to everything before it through the sequence's block table."""
+    """Draft pass j of one verification: one token at position start + j, its K/V into the verification's slot there
+    (early exit: layers < L of the target's pool, which the verification then overwrites; a draft model: its own
+    pool), attending to everything before it through the sequence's block table."""
     token = verify.token_ids[0] if j == 0 else guesses[j - 1]
     return SeqStep([token], verify.start + j, [verify.slots[j]], verify.block_table)

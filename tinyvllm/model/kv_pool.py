@@ -125,10 +125,12 @@ def bytes_per_block(cfg: LlamaConfig, itemsize: int) -> int:
     return 2 * cfg.num_hidden_layers * BLOCK_SIZE * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
-def pool_blocks(cfg: LlamaConfig, ops, gpu_memory_utilization: float, cpu_bytes: int = CPU_KV_CACHE_BYTES) -> int:
+def pool_blocks(cfg: LlamaConfig, ops, gpu_memory_utilization: float, cpu_bytes: int = CPU_KV_CACHE_BYTES,
+                draft_cfg: LlamaConfig | None = None) -> int:
     """How many blocks fit in the memory left for the KV cache on this backend: on a GPU, what is left of
-    gpu_memory_utilization x its memory; on the CPU, cpu_bytes."""
-    per_block = bytes_per_block(cfg, np.dtype(ops.DTYPE).itemsize)
+    gpu_memory_utilization x its memory; on the CPU, cpu_bytes. With a draft model (draft_cfg, chapter 10) a block
+    is one in each pool: the draft's pool has as many blocks as the target's (model/draft_model.py)."""
+    per_block = sum(bytes_per_block(c, np.dtype(ops.DTYPE).itemsize) for c in (cfg, draft_cfg) if c is not None)
     if ops.xp.__name__ == "cupy":
         if not 0 < gpu_memory_utilization <= 1:
             raise TinyVLLMError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")

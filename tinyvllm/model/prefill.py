@@ -34,7 +34,7 @@ def prefill(model: Model, token_ids, all_logits: bool = False, on_layer=None, ca
 
 
 def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = False, on_layer=None,
-                  decodes: list[SeqStep] = ()):
+                  decodes: list[SeqStep] = (), logits: bool = True):
     """Several prompts in one pass (chapter 7): their tokens side by side as the rows of every GEMM, as
     the plan says (steps[j]: sequence j's tokens, first position, slots and block table). Returns the
     logits of each prompt's last token, (n, vocab) fp32 — of every token with all_logits. A step that
@@ -44,7 +44,10 @@ def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = F
     decodes: the step's decoding sequences ride along as one more row each, after the prompts' rows,
     attending through the pool as decode_batch's rows do; their logits follow the prompts'. One pass
     for the whole step (vLLM v1's rule): a step that would otherwise run a prefill pass AND a decode
-    pass reads every weight once instead of twice."""
+    pass reads every weight once instead of twice.
+
+    logits=False: the K/V writes only, no final norm and LM head; returns None (chapter 10's draft model
+    following a step of the target: model/draft_model.py)."""
     cfg, ops = model.cfg, model.ops
     P = sum(len(s.token_ids) for s in steps)
     T = P + len(decodes)
@@ -70,6 +73,8 @@ def prefill_batch(model: Model, pool, steps: list[SeqStep], all_logits: bool = F
 
     ids, positions, slots = (ops.to_device(c) for c in step_inputs([*steps, *decodes]))  # prompts' rows, then decodes
     residual, delta = run_layers(model, ids, positions, slots, pool, attend, on_layer)
+    if not logits:
+        return None
     if all_logits:
         return final_logits(model, residual, delta, slice(0, T))
     sampled = [row for s, end in zip(steps, ends) for row in range(end - 1 - s.proposed, end)]

@@ -9,14 +9,17 @@ ONE forward pass of its own choosing:
                                          k proposals are a chunk after its cached tokens, logits at all k + 1;
                                          without, k + 1 decode rows (decode_rows_of), graphed as decodes are
                                          (early exit: the proposals are drafted first, by the model's first
-                                         layers, in k one-token passes: early_exit.py)
+                                         layers, in k one-token passes: early_exit.py; a draft model:
+                                         the same passes through the draft, draft_model.py)
     decodes alone, on a GPU           -> the CUDA graph of their batch size (chapter 7)
     decodes alone, on a CPU (or eager)-> decode_batch
 
-then samples (sampler.py) and hands back a StepOutput on the host: per sequence of the plan, its token
-and, where asked, its logprobs. vLLM's GPUModelRunner.execute_model and nano-vllm's ModelRunner.run draw
-the same line. A step is two halves, launch and finish: on a GPU launch returns while the kernels run, so
-the engine core can send the previous step's tokens meanwhile (engine_core.py).
+With a draft model (chapter 10) the runner holds it and its KV pool too, and the draft follows every step
+(draft_model.py): its pool must hold every token the target's does. Then the runner samples (sampler.py) and
+hands back a StepOutput on the host: per sequence of the plan, its token and, where asked, its logprobs.
+vLLM's GPUModelRunner.execute_model and nano-vllm's ModelRunner.run draw the same line. A step is two halves,
+launch and finish: on a GPU launch returns while the kernels run, so the engine core can send the previous
+step's tokens meanwhile (engine_core.py).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import NamedTuple
 
 from tinyvllm.model.backend import resolve_device
 from tinyvllm.model.decode import decode_batch
+from tinyvllm.model.draft_model import DraftModel
 from tinyvllm.model.early_exit import with_drafts
 from tinyvllm.model.kv_pool import PagedKVPool, pool_blocks
 from tinyvllm.model.mask_table import MaskTable
@@ -54,20 +58,27 @@ class Launched(NamedTuple):
 class ModelRunner:
     resolve_device = staticmethod(resolve_device)   # "auto" -> "cuda" or "cpu": the engine asks before loading
 
-    def __init__(self, model: Model, pool: PagedKVPool):
-        """A model and the pool its K/V live in; decode steps run eagerly until use_cuda_graphs()."""
-        self.model, self.pool = model, pool
+    def __init__(self, model: Model, pool: PagedKVPool, draft: DraftModel | None = None):
+        """A model and the pool its K/V live in, and a draft model with its own pool (chapter 10) or None; decode steps
+        run eagerly until use_cuda_graphs()."""
+        self.model, self.pool, self.draft = model, pool, draft
         self.mask_table = MaskTable()   # chapter 11: structured outputs' masks, each sent to the device once
         self.decode = lambda steps: decode_batch(model, pool, steps)
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str, max_model_len: int, max_num_batched_tokens: int,
-             num_blocks: int | None, gpu_memory_utilization: float, batch_invariant: bool) -> ModelRunner:
-        """Weights and step buffers first, then the KV pool in the memory that is left (chapter 6), unless
-        num_blocks says how many blocks. The settings come from EngineConfig: no defaults here."""
+             num_blocks: int | None, gpu_memory_utilization: float, batch_invariant: bool,
+             draft_dir: str | Path | None = None) -> ModelRunner:
+        """Weights and step buffers first (the draft model's too, from draft_dir, chapter 10), then the KV pool in the
+        memory that is left (chapter 6), unless num_blocks says how many blocks; a draft's pool has as many blocks
+        (draft_model.py). The settings come from EngineConfig: no defaults here."""
         model = Model(model_dir, device, max_num_batched_tokens, max_model_len, batch_invariant)
-        num_blocks = num_blocks or pool_blocks(model.cfg, model.ops, gpu_memory_utilization)
-        return cls(model, PagedKVPool(model.cfg, model.ops, num_blocks))
+        drafter = None if draft_dir is None else Model(draft_dir, device, max_num_batched_tokens, max_model_len,
+                                                       batch_invariant)
+        num_blocks = num_blocks or pool_blocks(model.cfg, model.ops, gpu_memory_utilization,
+                                               draft_cfg=None if drafter is None else drafter.cfg)
+        draft = None if drafter is None else DraftModel(drafter, PagedKVPool(drafter.cfg, drafter.ops, num_blocks))
+        return cls(model, PagedKVPool(model.cfg, model.ops, num_blocks), draft)
 
     def use_cuda_graphs(self, max_num_seqs: int) -> None:
         """On a GPU, decode steps of up to max_num_seqs sequences replay a captured graph (chapter 7)."""
@@ -82,8 +93,11 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan) -> Launched:
         """The first half: queue the forward pass (on a GPU this returns before the kernels finish)."""
-        if plan.draft_layers and plan.verifies:   # early exit: the guesses are drafted now, then verified below
-            plan = with_drafts(self.model, self.pool, plan)
+        if plan.draft_layers and plan.verifies:   # the guesses are drafted now, then verified below
+            drafter = (self.model, self.pool) if self.draft is None else (self.draft.model, self.draft.pool)
+            plan = with_drafts(*drafter, plan)
+        if self.draft is not None:   # a draft model computes every token the target does: its pool stays complete
+            self.draft.follow(plan)
         if plan.prefills:   # one pass for the whole step: verifications and decodes ride along (no CUDA graph then)
             logits = prefill_batch(self.model, self.pool, plan.prefills + plan.verifies, decodes=plan.decodes)
         elif plan.verifies or plan.decodes:  # decode rows only: the CUDA graph of their number, on a GPU
@@ -105,6 +119,6 @@ class ModelRunner:
         """Drop the model, the pool and the graphs, and hand the memory back (on a GPU, CuPy keeps freed
         memory for this process's next arrays until told otherwise)."""
         ops = self.model.ops
-        self.model = self.pool = self.decode = self.mask_table = None
+        self.model = self.pool = self.draft = self.decode = self.mask_table = None
         gc.collect()  # an array caught in a reference cycle goes only when the collector runs: run it now
         ops.free_cached_memory()

@@ -12,8 +12,9 @@ What is left for the model is arithmetic on this plan, one SeqStep per sequence 
     proposed     chapter 10: how many of the last token_ids are proposals to verify (speculative decoding);
                  the step then samples at each of the last proposed + 1 positions, not only the last
 
-and, for the whole plan, draft_layers (chapter 10's early exit): when set, the verifications' proposals are
-placeholders that the runner drafts in the step itself with the model's first draft_layers layers.
+and, for the whole plan, draft_layers (chapter 10): when set, the verifications' proposals are placeholders that
+the runner drafts in the step itself, with the model's first draft_layers layers (early exit) or with all the
+draft_layers layers of the draft model it holds (draft_model.py).
 
 The model never calls the block manager, so what it computes cannot disagree with what was allocated:
 vLLM v1's SchedulerOutput and nano-vllm's prepare_prefill/prepare_decode draw the same line. The model
@@ -69,7 +70,8 @@ class StepPlan:
     prefills: list[SeqStep] = field(default_factory=list)  # prompts (or their uncached tails): one batched prefill
     verifies: list[SeqStep] = field(default_factory=list)  # decodes with proposals: chunks that ride in the prefill
     decodes: list[SeqStep] = field(default_factory=list)   # one token each: one batched decode
-    draft_layers: int = 0   # chapter 10: > 0, the verifies' proposals are placeholders the runner drafts (early exit)
+    draft_layers: int = 0   # chapter 10: > 0, the verifies' proposals are placeholders the runner drafts (early exit,
+                            # or a draft model)
 
     @property
     def steps(self) -> list[SeqStep]:
