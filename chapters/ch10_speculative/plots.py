@@ -15,7 +15,8 @@ from tinyvllm.formats.config import expected_tensor_shapes
 RESULTS = Path(__file__).resolve().parent.parent.parent / "bench" / "results"
 # `python bench/spec_decode.py`: default model, batch 1, greedy, k = 4, 3 grounded and 3 free-form requests
 MEASURED = {"CPU (2 cores)": "spec-decode-cpu-20261203-071701.json",
-            "NVIDIA H200": "spec-decode-cuda-20261203.json"}
+            "H200, verification as a prefill chunk": "spec-decode-cuda-20261203.json",
+            "H200, verification as graphed decode rows": "spec-decode-cuda-20261203-142824.json"}
 # the H200's copy bandwidth and bf16 GEMM rate, measured in one run of `python bench/prefill.py`
 LIMITS = "prefill-20261129-224234.json"
 WORKLOADS = ("grounded", "free-form")
@@ -43,7 +44,7 @@ def measured_table() -> str:
 
 def draw_measured() -> Figure:
     """Tokens per second with speculation off and on, per machine and workload (medians of the runs)."""
-    fig = Figure(figsize=(9, 3.6))
+    fig = Figure(figsize=(4.5 * len(MEASURED), 3.6))
     axes = fig.subplots(1, len(MEASURED))
     for ax, (machine, results) in zip(axes, measured().items()):
         x = np.arange(len(WORKLOADS))
@@ -57,7 +58,7 @@ def draw_measured() -> Figure:
                     ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x, WORKLOADS)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
-        ax.set_title(f"{machine}, batch 1", fontsize=10)
+        ax.set_title(f"{machine}, batch 1", fontsize=9)
         ax.set_ylabel("output tokens/s (median)")
     axes[0].legend(fontsize=8, loc="lower left")
     fig.suptitle("Measured: bench/results/" + " and ".join(MEASURED.values()), fontsize=8)
