@@ -17,9 +17,19 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "tinyvllm" / "model" / "kernels"
 # kernel file -> the constants it insists on (its `#ifndef NAME / #error` guards, its headers' included)
-GUARDED = {path.stem: set(re.findall(r"#ifndef (\w+)\n#error", path.read_text()))
-           | ({"DECODE_THREADS", "BF16_PER_VECTOR"} if '#include "decode_attention.cuh"' in path.read_text() else set())
-           for path in sorted(KERNELS_DIR.glob("*.cu"))}
+def guards(path, seen: set | None = None) -> set[str]:
+    """The constants a kernel file stops without (#ifndef NAME / #error), its own and its local includes'."""
+    seen = set() if seen is None else seen
+    seen.add(path.name)
+    text = path.read_text()
+    names = set(re.findall(r"#ifndef (\w+)\n#error", text))
+    for included in re.findall(r'#include "([\w.]+)"', text):
+        if included not in seen:
+            names |= guards(KERNELS_DIR / included, seen)
+    return names
+
+
+GUARDED = {path.stem: guards(path) for path in sorted(KERNELS_DIR.glob("*.cu"))}
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +193,7 @@ def test_the_guarded_kernels():
     """The files whose code uses a constant from Python (the rest read their launch shape from blockDim)."""
     assert {name for name, needs in GUARDED.items() if needs} == {
         "argmax", "decode_attention", "paged_attention", "prefill_attention", "gemv", "store_kv", "fused_decode", "swiglu",
-        "rms_norm", "gemm_invariant", "sample_rows"}
+        "rms_norm", "gemm_invariant", "sample_rows", "decode_persistent"}
     assert GUARDED["paged_attention"] >= {"BLOCK_SIZE", "DECODE_THREADS", "BF16_PER_VECTOR"}
 
 

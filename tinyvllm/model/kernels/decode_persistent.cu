@@ -20,7 +20,40 @@
 #include "fused_decode.cuh"    // the bodies of the fused layer's kernels
 #include "paged_attention.cu"  // paged_attention_item, and merge_one (decode_attention.cuh)
 #ifndef INSTRUCTION_WORDS
-#error "INSTRUCTION_WORDS, PREFETCH_BYTES, PREFETCH_AHEAD, BARRIER_FLAGS, BARRIER_BACKOFF_NS and the OP_* codes come from Python (tinyvllm/model/backend/constants.py) through -D"
+#error "INSTRUCTION_WORDS comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef PREFETCH_BYTES
+#error "PREFETCH_BYTES comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef PREFETCH_AHEAD
+#error "PREFETCH_AHEAD comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef BARRIER_FLAGS
+#error "BARRIER_FLAGS comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef BARRIER_BACKOFF_NS
+#error "BARRIER_BACKOFF_NS comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef OP_EMBEDDING
+#error "OP_EMBEDDING comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef OP_RMS_NORM_GEMV
+#error "OP_RMS_NORM_GEMV comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef OP_RMS_NORM_GEMV_SWIGLU
+#error "OP_RMS_NORM_GEMV_SWIGLU comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef OP_GEMV_ADD
+#error "OP_GEMV_ADD comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef OP_ROPE_STORE_KV
+#error "OP_ROPE_STORE_KV comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef OP_PAGED_ATTENTION
+#error "OP_PAGED_ATTENTION comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef OP_MERGE_SPLITS
+#error "OP_MERGE_SPLITS comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
 
 static_assert(GEMV_THREADS == DECODE_THREADS, "attention runs on the persistent kernel's blocks as they are");
