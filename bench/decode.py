@@ -14,8 +14,8 @@ batch-invariant mode (chapter 7: its `batch_invariant` field, always unfused) an
 cache) on the same weights and context.
 
 Then `batches`: at batch 1, 8 and 64 (--batches), the paged pool at the same context per sequence, one CUDA graph
-replay per step (eager on the CPU): ms per step (= per token of each sequence) fused and unfused, the floor and
-x the floor, and the backend op calls per step (one kernel launch each; paged attention adds a merge kernel in the
+replay per step (eager on the CPU): ms per step (= per token of each sequence) fused, unfused and (on a GPU)
+persistent (chapter 8's one-launch step), the engine's choice among them, the floor and x the floor, and the backend op calls per step (one kernel launch each; paged attention adds a merge kernel in the
 layers where it splits a context; above GEMV_MAX_ROWS rows both modes run the unfused layer), and the same step in
 the batch-invariant mode (`batch_invariant`, with its ratio to the engine's default path).
 
