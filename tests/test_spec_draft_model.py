@@ -202,7 +202,11 @@ def test_a_draft_that_misses_tokens_is_caught(tiny_model_dir, rng, monkeypatch, 
     monkeypatch.setattr(draft_model.DraftModel, "follow", broken)
     llm, problems, want, got = self_drafting_run(tiny_model_dir, rng)
     assert not differences(want, got)   # a stale draft guesses worse, never changes the answer
-    assert problems and llm.engine.spec_stats.acceptance_rate < 1, f"{broken.__name__} went unnoticed"
+    # the pool comparison catches every broken follower; its guesses need not suffer (one stale key of a random tiny
+    # model may leave every argmax as it was), so acceptance is checked only where nothing of the decodes is followed
+    assert problems, f"{broken.__name__} went unnoticed"
+    if broken is not follows_without_the_last_guess:
+        assert llm.engine.spec_stats.acceptance_rate < 1, f"{broken.__name__}: every guess kept from a stale pool"
 
 
 # ---- sampled requests ----
