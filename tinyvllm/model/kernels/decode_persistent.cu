@@ -5,18 +5,19 @@
 // has nothing to do. Here the blocks stay resident for the whole step and walk the instruction list the host built
 // once (model/persistent.py): each instruction is one of the fused layer's ops, run by the same device functions
 // (fused_decode.cuh, paged_attention.cu), so the step gives the fused layer's bits. Between two instructions the
-// blocks meet at a grid barrier (a counter in global memory) instead of a kernel boundary — and before a block
-// waits there, it asks L2 for its share of the next projection's weight rows (cp.async.bulk.prefetch.L2, one
-// instruction per row): the weight stream keeps going through the barriers and the latency-bound ops.
+// blocks meet at a grid barrier (a counter in global memory) instead of a kernel boundary. With PREFETCH_BYTES > 0 a
+// block also asks L2 for its share of the next projection's weight rows before it waits there
+// (cp.async.bulk.prefetch.L2, one instruction per row), to keep the weight stream going through the barriers and the
+// latency-bound ops — measured slower on an H200 (backend/constants.py), so off by default.
 // Launch: grid (FUSED_BLOCKS_PER_SM x SMs at most, and no more than can be resident at once: a block waiting at a
 //   barrier for a block that never started would wait forever), block (GEMV_THREADS), dynamic shared memory
 //   constants.norm_gemv_smem(NB, hidden) (the normalized rows of the norm ops); instantiated per (NB = rows,
 //   HEAD_DIM, GROUP = query heads per K/V head). `arrived` (uint32, 32 x (blocks + 1): the arrivals, then a flag a
-//   block, see grid_barrier) is zeroed before each launch; `timeline`
-//   null, or (count, blocks, 4) uint64 filled with stamp()s.
+//   block, see grid_barrier) is zeroed before each launch; `timeline` null, or (count, blocks, 4) uint64 filled
+//   with stamp()s.
 // Layout: program int64 (count, INSTRUCTION_WORDS): word 0 the op (OP_* below, from constants.PERSISTENT_OPS), then
 //   its arguments in the order of the op's kernel — pointers and ints as int64, floats as their bits
-//   (cuda_ops.encode_instruction writes them). The twin, numpy_ops.decode_persistent, runs the same list in order.
+//   (cuda_ops.persistent_program writes them). The twin, numpy_ops.decode_persistent, runs the same list in order.
 #include "fused_decode.cuh"    // the bodies of the fused layer's kernels
 #include "paged_attention.cu"  // paged_attention_item, and merge_one (decode_attention.cuh)
 #ifndef INSTRUCTION_WORDS
@@ -216,7 +217,9 @@ template <int NB, int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(GEMV_THREADS, FUSED_BLOCKS_PER_SM)
 decode_persistent(const long long* program, int count, unsigned* arrived, unsigned long long* timeline) {
     static_assert(GEMV_THREADS % HEAD_DIM == 0, "the merge gives each (row, head) HEAD_DIM threads of a block");
+#if PREFETCH_BYTES > 0
     int prefetched = 0;  // the projections before this one have been asked of L2 already
+#endif
     for (int i = 0; i < count; ++i) {
         unsigned long long* times = timeline + ((long long)i * gridDim.x + blockIdx.x) * 4;  // null: not recorded
         if (timeline && threadIdx.x == 0) stamp(times);
@@ -226,6 +229,7 @@ decode_persistent(const long long* program, int count, unsigned* arrived, unsign
             if (threadIdx.x == 0) stamp(times + 1);
         }
         if (i + 1 == count) break;
+#if PREFETCH_BYTES > 0
         // before waiting: the first projection of the next PREFETCH_AHEAD instructions not asked for yet (after
         // qkv: o_proj; during RoPE and attention, the MLP's and the next layer's qkv), so the stream never stops
         for (int next = max(i + 1, prefetched); next < min(count, i + 1 + PREFETCH_AHEAD); ++next) {
@@ -236,6 +240,7 @@ decode_persistent(const long long* program, int count, unsigned* arrived, unsign
                 break;
             }
         }
+#endif
         grid_barrier(arrived, i);
     }
 }
