@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import tinyvllm.model.sampler
@@ -84,7 +85,8 @@ def test_stream_holds_back_partial_utf8_of_forced_tokens(llm, monkeypatch):
     forced = llm.tokenizer.encode(target) + [llm.stop_token_ids[0]]
     assert any("\ufffd" in llm.tokenizer.decode([t]) for t in forced)  # some tokens hold partial characters
     script = iter(forced)
-    monkeypatch.setattr(tinyvllm.model.sampler, "sample_rows", lambda logits, params, rngs: [next(script)])
+    monkeypatch.setattr(tinyvllm.model.sampler, "sample_rows_on_device",
+                        lambda logits, params, rngs: np.array([next(script)]))
     chunks, out = stream_text(llm, llm.tokenizer.encode("Hi"), SamplingParams(temperature=1.0, max_tokens=64))
     assert out.outputs[0].text == "".join(chunks) == target
     assert not [c for c in chunks if "\ufffd" in c]
@@ -250,7 +252,7 @@ def test_a_failure_in_one_sequence_fails_it_alone(llm, eight_requests, monkeypat
         return wrapped
 
     if fault == "sample":   # the bad request's third token fails to draw, in a batch or alone
-        real_rows = tinyvllm.model.sampler.sample_rows
+        real_rows = tinyvllm.model.sampler.sample_rows_on_device
 
         def sample_rows(logits, params, rngs):
             if any(p.seed == 100 + bad for p in params):
@@ -258,7 +260,7 @@ def test_a_failure_in_one_sequence_fails_it_alone(llm, eight_requests, monkeypat
                     raise RuntimeError("injected fault\nwith a second line")
                 calls["n"] += 1
             return real_rows(logits, params, rngs)
-        monkeypatch.setattr(tinyvllm.model.sampler, "sample_rows", sample_rows)
+        monkeypatch.setattr(tinyvllm.model.sampler, "sample_rows_on_device", sample_rows)
     elif fault == "logprobs":
         monkeypatch.setattr(tinyvllm.model.sampler, "raw_logprobs", third_call_fails(tinyvllm.model.sampler.raw_logprobs))
     seqs = [llm.add_request(p, s) for p, s in zip(prompts, params)]

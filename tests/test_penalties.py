@@ -122,8 +122,8 @@ def test_plain_greedy_rows_never_reach_the_per_row_sampler(llm, monkeypatch):
     """The fast path: greedy rows without penalties take the batch's one argmax, never sample()."""
     def refuse(*args):
         raise AssertionError("a plain greedy row reached the per-kind sampler")
-    monkeypatch.setattr(tinyvllm.model.sampler, "sample_rows", refuse)
-    monkeypatch.setattr(tinyvllm.model.sampler, "draw_rows", refuse)
+    monkeypatch.setattr(tinyvllm.model.sampler, "sample_rows_on_device", refuse)
+    monkeypatch.setattr(tinyvllm.model.sampler, "draw_rows_on_device", refuse)
     monkeypatch.setattr(tinyvllm.model.sampler, "draw_at", refuse)
     outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]

@@ -22,6 +22,7 @@ from tinyvllm import LLM, SamplingParams
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.engine_config import EngineConfig
 from tinyvllm.engine.prefix_cache import PrefixCachingBlockManager
+from tinyvllm.engine.sequence import Sequence
 from tinyvllm.engine.spec_decode import NgramProposer, SpecDecodeStats
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model.sampler import verify
@@ -73,12 +74,9 @@ def test_truncate_gives_back_the_blocks_only_dropped_tokens_used():
 
 
 def test_truncate_never_cuts_a_block_named_in_the_prefix_cache():
-    class Seq:
-        seq_id, token_ids, block_hashes = 0, list(range(40)), []
-
     blocks = PrefixCachingBlockManager(8)
     blocks.allocate(0, 40)
-    blocks.cache_full_blocks(Seq())           # blocks 0 and 1 are named now
+    blocks.cache_full_blocks(Sequence(0, list(range(40)), SamplingParams(), 64, set(), None))   # blocks 0, 1 named
     blocks.truncate(0, 2 * BLOCK_SIZE)        # the partial third block goes
     assert blocks.num_free == 6
     with pytest.raises(TinyVLLMError, match="prefix cache"):

@@ -12,6 +12,16 @@ With speculative decoding on (chapter 10, engine/spec_decode.py), a sequence may
 one step: the proposals the model agreed with, and its own next token.
 That is the difference with static batching, where a batch runs until its longest member is done.
 
+Async scheduling (vLLM's --async-scheduling, on by default on a GPU): between two decode steps the host plans the
+next one, copies its inputs and records the tokens: at batch 1 that is a sixth of a step the GPU would spend idle.
+So the engine plans and launches step N + 1 before it reads step N's tokens. The plan does not need them: every
+sequence of step N gets one token (its count, its slot and its blocks are known); only the token's id is missing,
+and the step N + 1 takes it on the device from step N's draw (PENDING_TOKEN, runner.Feed). The price: a sequence that
+stops at step N (a stop token, a stop string) has computed one token too many at step N + 1, dropped; max_tokens is
+known in advance and wastes nothing. It runs ahead only after a step whose every token was drawn on the device
+(no penalties, logprobs or structured outputs: they need the tokens on the host) and without speculative decoding
+(its proposals are made from the tokens).
+
 One sequence's failure (in sampling, penalties, logprobs or bookkeeping) is that sequence's alone: it
 finishes with finish_reason "error" and seq.error, its blocks go back, and the others go on.
 """
@@ -34,8 +44,8 @@ from tinyvllm.errors import TinyVLLMError
 from tinyvllm.formats.checkpoints import resolve_model
 from tinyvllm.formats.config import load_config
 from tinyvllm.formats.tokenizer import Tokenizer, load_tokenizer
-from tinyvllm.model.runner import Launched, ModelRunner
-from tinyvllm.model.step_plan import SeqStep
+from tinyvllm.model.runner import Feed, Launched, ModelRunner
+from tinyvllm.model.step_plan import PENDING_TOKEN, SeqStep
 
 log = logging.getLogger(__name__)
 TRACE_STEPS = 1024   # steps the trace remembers: a ring, so a server running for days keeps bounded memory
@@ -61,6 +71,9 @@ class Engine:
         self.spec_stats = SpecDecodeStats()   # chapter 10: proposed and accepted tokens, verifications
         self._ids = itertools.count()
         self.steps = 0   # steps run so far
+        # async scheduling: where it pays (a GPU: the host plans while the kernels run) and the tokens allow it
+        self.runs_ahead = config.async_scheduling and config.device == "cuda" and config.speculative_method is None
+        self.ahead: LaunchedStep | None = None   # the step launched before the last one launched has finished
         # the last TRACE_STEPS steps: who prefilled, decoded (with how many proposals), was preempted; free blocks
         self.trace: deque[StepRecord] = deque(maxlen=TRACE_STEPS)
 
@@ -144,7 +157,7 @@ class Engine:
         self.scheduler.finish(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.ahead is not None
 
     def step(self) -> list[tuple[Sequence, str]]:
         """One step of the loop; returns (sequence, the text it released) for every sequence that ran."""
@@ -152,15 +165,36 @@ class Engine:
 
     def launch_step(self) -> LaunchedStep:
         """The first half of a step: plan it and launch its forward pass. On a GPU this returns while the
-        kernels run, so the caller can do host work (the engine core sends the last step's tokens) meanwhile."""
+        kernels run, so the caller can do host work (the engine core sends the last step's tokens) meanwhile.
+        With async scheduling the step was launched by the call before (self.ahead), and this call launches the
+        step after it too, when it can: the caller finishes the one returned while the next one is queued."""
+        current = self.ahead or self._launch()
+        self.ahead = self._launch(after=current) if self.runs_ahead and current.launched.tokens is not None else None
+        return current
+
+    def _launch(self, after: LaunchedStep | None = None) -> LaunchedStep | None:
+        """Plan a step and launch it; `after`: the step launched before, still running, whose tokens this step's
+        decodes take on the device (None when that plan runs nothing)."""
+        if after is not None and not self.scheduler.has_work():
+            return None
         step = self.scheduler.schedule()   # blocks taken: the runner reads step.plan
-        if not (step.sequences or step.preempted) and self.has_work():
-            raise TinyVLLMError(f"the scheduler planned a step that runs nothing while {len(self.scheduler.waiting)} "
-                                f"requests wait and {self.scheduler.block_manager.num_free} blocks are free; admit() must "
-                                "admit the first waiting request when nothing is running")  # else: loop forever
-        launched = self.runner.launch(step.plan)
+        if not (step.sequences or step.preempted):
+            if after is not None:          # all running are about to finish, nobody fits yet: plan after the tokens
+                return None
+            if self.has_work():
+                raise TinyVLLMError(f"the scheduler planned a step that runs nothing while {len(self.scheduler.waiting)} "
+                                    f"requests wait and {self.scheduler.block_manager.num_free} blocks are free; "
+                                    "admit() must admit the first waiting request when nothing is running")
+        launched = self.runner.launch(step.plan, None if after is None else self._feed(after, step))
         self.scheduler.computed(step)   # the blocks this step filled become findable (prefix caching)
         return LaunchedStep(step, launched)
+
+    @staticmethod
+    def _feed(after: LaunchedStep, step: Step) -> Feed:
+        """Which of `after`'s tokens each of step's entries takes as its input (those planned with PENDING_TOKEN)."""
+        entry = {seq.seq_id: i for i, seq in enumerate(after.step.sequences)}
+        return Feed(after.launched.tokens, [entry[seq.seq_id] if plan.token_ids[-1] == PENDING_TOKEN else -1
+                                            for seq, plan in zip(step.sequences, step.plan.steps)])
 
     def finish_step(self, launched: LaunchedStep) -> list[tuple[Sequence, str]]:
         """The second half: the runner's tokens (the first read-back); record them, retire the finished."""
@@ -169,6 +203,9 @@ class Engine:
         released = []
         for i, (seq, plan) in enumerate(zip(step.sequences, step.plan.steps)):
             if plan.sampling is None:       # a chunk in the middle of its prompt: no token yet
+                continue
+            seq.pending -= 1
+            if seq.status is Status.FINISHED:   # it stopped (or was aborted) while this step ran ahead: token dropped
                 continue
             if i in out.errors:             # its sampling or its logprobs failed: it alone ends
                 self._fail(seq, out.errors[i])

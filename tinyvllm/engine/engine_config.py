@@ -93,6 +93,9 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes seen before (shared "
                                                 "system prompts, n > 1): vLLM v1's default")
     enforce_eager: bool = setting(False, "no CUDA graphs for decode steps (slower; for debugging)")
+    async_scheduling: bool = setting(True, "plan and launch the next step before this one's tokens are read back, "
+                                           "so the host's work hides behind the GPU's (on a GPU; not with "
+                                           "speculative decoding)")
     batch_invariant: bool = setting(False, "a request's output never depends on what else is batched with it "
                                            "(slower: kernels that sum in one fixed order)")
     long_prefill_token_threshold: int | None = setting(

@@ -17,8 +17,10 @@ sockets; every step's Report, pickled once, goes to all of them, and each keeps 
 
 A step's Report goes out while the GPU runs the next step: the loop pickles step N's Report as step N left
 things, launches step N + 1 (engine.launch_step, which returns as soon as the kernels are queued), sends the
-Report, then waits for step N + 1's tokens (engine.finish_step). Commands are still applied before a launch,
-never while a step is in flight, so an Abort never frees blocks that running kernels write.
+Report, then waits for step N + 1's tokens (engine.finish_step). With async scheduling (engine.py) launch_step has
+also queued step N + 2 by then, so a command may arrive while a step is in flight: an Abort frees blocks its kernels
+still write, which is harmless, as every later step's kernels are queued after them on the same GPU, and the aborted
+request's tokens from those steps are dropped.
 
 The engine core does not detokenize token by token (the API side does, while the next step runs), except
 when stop strings need the text to decide where the output ends; its Update carries token ids. Nothing a request carries can

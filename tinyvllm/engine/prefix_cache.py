@@ -86,10 +86,11 @@ class PrefixCachingBlockManager(BlockManager):
         return hit.tokens
 
     def cache_full_blocks(self, seq) -> None:
-        """Name the sequence's (a Sequence's) blocks that filled since the last call, so later prompts find them."""
+        """Name the sequence's (a Sequence's) blocks that filled since the last call, so later prompts find them: those
+        whose tokens the host knows (with async scheduling the newest may still be on the device: a later call)."""
         table, first = self.tables[seq.seq_id], self.named.get(seq.seq_id, 0)
-        full = self.lengths[seq.seq_id] // BLOCK_SIZE
-        if full == first:
+        full = min(self.lengths[seq.seq_id], len(seq)) // BLOCK_SIZE
+        if full <= first:
             return
         token_ids = seq.token_ids
         extend_chain(seq.block_hashes, token_ids, full)

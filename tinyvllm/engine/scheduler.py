@@ -37,7 +37,7 @@ from tinyvllm.engine.prefix_cache import PrefixCacheStats, PrefixCachingBlockMan
 from tinyvllm.engine.sequence import Sequence, Status
 from tinyvllm.engine.spec_decode import MIN_ACCEPTANCE, Proposer, SpeculationGate
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.model.step_plan import BLOCK_SIZE, StepPlan
+from tinyvllm.model.step_plan import PENDING_TOKEN, StepPlan
 
 
 @dataclass
@@ -96,6 +96,8 @@ class Scheduler:
         for seq in list(self.running):                 # oldest first: the oldest are the last to be preempted
             if seq.status is not Status.RUNNING or not seq.decoding:
                 continue                               # preempted a moment ago, or still in its prompt
+            if seq.pending and len(seq.output_ids) + seq.pending >= seq.max_tokens:
+                continue                               # its last token is already on its way (async scheduling)
             need = self.block_manager.blocks_to_append(seq.seq_id)
             while need > free and seq.status is Status.RUNNING:
                 victim = choose_victim(self.running)   # the youngest (perhaps seq itself)
@@ -165,13 +167,14 @@ class Scheduler:
                     for s, count in zip(step.prefills, step.chunks)]
         verifies = [plan_verify(self.block_manager, s.seq_id, s.last_token, p)
                     for s, p in zip(step.verifies, step.proposals)]
-        decodes = plan_decode(self.block_manager, [s.seq_id for s in step.decodes],
-                              [s.last_token for s in step.decodes])
+        decodes = plan_decode(self.block_manager, [s.seq_id for s in step.decodes],   # a token still on its way:
+                              [PENDING_TOKEN if s.pending else s.last_token for s in step.decodes])  # the runner's
         for seq, count in zip(step.sequences, step.chunks + [1] * (len(step.verifies) + len(step.decodes))):
             seq.num_computed += count                  # their K/V are in the pool once the step has run (kept
                                                        # proposals count after it: Scheduler.verified)
         for seq, planned in zip(step.sequences, prefills + verifies + decodes):
-            planned.sampling = seq.sampling if seq.num_computed == len(seq) else None   # a prompt's last chunk, a decode
+            planned.sampling = seq.sampling if seq.num_computed == len(seq) + seq.pending else None   # a prompt's
+            seq.pending += planned.sampling is not None                # last chunk, a decode: a token on its way
         draft_layers = getattr(self.proposer, "num_draft_layers", 0)   # early exit's placeholders; others: real tokens
         step.plan = StepPlan(prefills, verifies, decodes, draft_layers)
 
@@ -202,12 +205,11 @@ class Scheduler:
         return self.block_manager.stats if self.prefix_caching else PrefixCacheStats()
 
     def computed(self, step: Step) -> None:
-        """After the model ran the step: with prefix caching, the blocks it filled become findable (a
-        decode fills one only every 16th token: the others are skipped without building token_ids)."""
+        """After the model ran the step: with prefix caching, the blocks it filled become findable (a decode
+        fills one only every 16th token; cache_full_blocks answers the others without building token_ids)."""
         if not self.prefix_caching:
             return
-        filled = [s for s in step.decodes if self.block_manager.lengths[s.seq_id] % BLOCK_SIZE == 0]
-        for seq in step.prefills + filled:
+        for seq in step.prefills + step.decodes:
             self.block_manager.cache_full_blocks(seq)
 
     def verified(self, seq: Sequence, proposed: int, kept: int) -> None:

@@ -63,6 +63,7 @@ class Sequence:
     preemptions: int = 0
     num_cached: int = 0                # tokens found in the prefix cache when it was last admitted
     num_computed: int = 0              # tokens whose K/V are in the pool (cached ones included)
+    pending: int = 0                   # tokens drawn by launched steps, not yet appended (async scheduling: up to 2)
     block_hashes: list[int] = field(default_factory=list)  # prefix caching: its full blocks' chained hashes
     incremental: bool = True           # text token by token (streaming, stop strings); else once, at the end
     detokenize: bool = True            # False: no text at all (the server's API process decodes the ids)
@@ -101,8 +102,9 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        """All its K/V are in the pool but the newest token's: the next step computes one token."""
-        return self.num_computed == len(self) - 1
+        """All its K/V are in the pool but the newest token's (perhaps still on its way: pending): the next step
+        computes one token."""
+        return self.num_computed == len(self) + self.pending - 1
 
     def append(self, token: int, logprobs: dict[int, Logprob] | None = None) -> str:
         """Record a sampled token (and its logprobs, if asked for); returns the text it releases (possibly "").

@@ -60,8 +60,9 @@ class LLM:
     def __init__(self, model: str = "default", speculative_config: dict | None = None, **settings):
         """model: 'default', a synthetic preset or a HF model directory; settings: any EngineConfig field
         (device, max_model_len, num_blocks, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
-        enable_prefix_caching, enforce_eager, batch_invariant, long_prefill_token_threshold, speculative_method,
-        num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, num_draft_layers, speculative_model), as in vLLM;
+        enable_prefix_caching, enforce_eager, async_scheduling, batch_invariant, long_prefill_token_threshold,
+        speculative_method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, num_draft_layers,
+        speculative_model), as in vLLM;
         speculative_config: vLLM's dict for the speculative ones, e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
         unknown = sorted(set(settings) - set(EngineConfig.names()))
         if unknown:

@@ -91,9 +91,15 @@ class GraphedDecode:
         self.chosen: dict[int, str] = {}                 # bucket -> the layer its graph runs
         self.programs: dict[int, object] = {}   # bucket -> its persistent step (its graph launches it)
 
-    def __call__(self, steps: list[SeqStep]):
+    def takes(self, rows: int) -> bool:
+        """Whether a step of this many rows replays a graph (more rows, e.g. verifications of k + 1 rows: eagerly)."""
+        return rows <= self.buckets[-1]
+
+    def __call__(self, steps: list[SeqStep], feed=None):
+        """feed (runner.Feed): the step's inputs still on the device, written over the PENDING_TOKEN ids before the
+        replay (async scheduling)."""
         n = len(steps)
-        if n > self.buckets[-1]:   # more rows than the largest graph (a verification is k + 1 rows): eagerly
+        if not self.takes(n):
             return decode_batch(self.model, self.pool, steps)
         size = next(b for b in self.buckets if b >= n)
         if self.copied is not None:
@@ -103,6 +109,8 @@ class GraphedDecode:
         with self.stream:
             self._upload(size, columns)
             self.copied = self.stream.record()
+            if feed is not None:
+                self._feed(n, feed)
             if size not in self.graphs:
                 self.graphs[size] = self._capture(size)
             self.graphs[size].launch(self.stream)
@@ -117,6 +125,15 @@ class GraphedDecode:
         pitch = self.tables.strides[0]
         rt.memcpy2DAsync(self.tables.data.ptr, pitch, self.host.tables.ctypes.data, pitch, columns * 4, size,
                          rt.memcpyHostToDevice, self.stream.ptr)
+
+    def _feed(self, n: int, feed) -> None:
+        """ids[j] = feed.tokens[feed.rows[j]] where rows[j] >= 0: the step ahead's tokens, never seen by the host.
+        On the replay's stream, after the upload (which wrote PENDING_TOKEN there) and after the sampling that drew
+        them (the stream waited for the current one)."""
+        cp = self.cp
+        rows = cp.asarray(np.asarray(feed.rows, dtype=np.int32))
+        fed = feed.tokens[cp.maximum(rows, 0)].astype(np.int32)
+        self.ids[:n] = cp.where(rows >= 0, fed, self.ids[:n])
 
     def layers(self, size: int) -> list[str]:
         """The layers that can run a bucket: the fused layer's range (uses_fused_layer) adds the fused and, where the

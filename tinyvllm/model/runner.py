@@ -24,6 +24,7 @@ step's tokens meanwhile (engine_core.py).
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,7 +36,7 @@ from tinyvllm.model.kv_pool import PagedKVPool, pool_blocks
 from tinyvllm.model.mask_table import MaskTable
 from tinyvllm.model.model import Model
 from tinyvllm.model.prefill import prefill_batch
-from tinyvllm.model.sampler import sample_step
+from tinyvllm.model.sampler import sample_on_device, sample_step, samples_on_device, to_host
 from tinyvllm.model.step_plan import SeqStep, StepOutput, StepPlan
 
 
@@ -50,9 +51,26 @@ def decode_rows_of(verifies: list[SeqStep]) -> list[SeqStep]:
 
 class Launched(NamedTuple):
     """A step whose forward pass is queued: its plan, and the logits of its rows the device may still compute
-    (every prefill's last token, every verification's last proposed + 1 tokens, then every decode)."""
+    (every prefill's last token, every verification's last proposed + 1 tokens, then every decode); when every
+    entry samples_on_device, the tokens too, drawn on the device (one per entry; else None: drawn in finish)."""
     plan: StepPlan
     logits: object
+    tokens: object = None
+
+
+class Feed(NamedTuple):
+    """Async scheduling (engine.py): a plan launched before the step ahead of it has finished. Its decodes whose input
+    is PENDING_TOKEN take the token the step ahead drew on the device: entry j's is tokens[rows[j]] (rows[j] -1: its
+    own token_ids hold it)."""
+    tokens: object        # the step ahead's Launched.tokens, on the device
+    rows: list[int]       # per entry of this plan (plan.steps' order)
+
+    def on_host(self, plan: StepPlan) -> StepPlan:
+        """The plan with the fed tokens written in, read back from the device: for a step that is not a graph replay."""
+        tokens, entries = to_host(self.tokens), iter(self.rows)
+        fed = [[s if (row := next(entries)) < 0 else replace(s, token_ids=[int(tokens[row])]) for s in steps]
+               for steps in (plan.prefills, plan.verifies, plan.decodes)]
+        return StepPlan(*fed, plan.draft_layers)
 
 
 class ModelRunner:
@@ -64,6 +82,7 @@ class ModelRunner:
         self.model, self.pool, self.draft = model, pool, draft
         self.mask_table = MaskTable()   # chapter 11: structured outputs' masks, each sent to the device once
         self.decode = lambda steps: decode_batch(model, pool, steps)
+        self.graphs = None   # the GraphedDecode that self.decode is, once use_cuda_graphs()
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str, max_model_len: int, max_num_batched_tokens: int,
@@ -84,15 +103,19 @@ class ModelRunner:
         """On a GPU, decode steps of up to max_num_seqs sequences replay a captured graph (chapter 7)."""
         if self.model.device == "cuda":
             from tinyvllm.model.cuda_graphs import GraphedDecode
-            self.decode = GraphedDecode(self.model, self.pool, max_num_seqs)
+            self.decode = self.graphs = GraphedDecode(self.model, self.pool, max_num_seqs)
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run the plan: every sequence's new tokens through the model, its K/V into the pool, and a token
         sampled for each SeqStep whose sampling is set (the kept proposals and a bonus token, for a verification)."""
         return self.finish(self.launch(plan))
 
-    def launch(self, plan: StepPlan) -> Launched:
-        """The first half: queue the forward pass (on a GPU this returns before the kernels finish)."""
+    def launch(self, plan: StepPlan, feed: Feed | None = None) -> Launched:
+        """The first half: queue the forward pass (on a GPU this returns before the kernels finish), and where every
+        entry allows, the sampling too (sample_on_device). feed: the inputs the step ahead still holds on the
+        device (async scheduling): a graph replay takes them there, any other pass reads them back first."""
+        if feed is not None and not self._replays(plan):
+            plan, feed = feed.on_host(plan), None
         if plan.draft_layers and plan.verifies:   # the guesses are drafted now, then verified below
             drafter = (self.model, self.pool) if self.draft is None else (self.draft.model, self.draft.pool)
             plan = with_drafts(*drafter, plan)
@@ -100,16 +123,36 @@ class ModelRunner:
             self.draft.follow(plan)
         if plan.prefills:   # one pass for the whole step: verifications and decodes ride along (no CUDA graph then)
             logits = prefill_batch(self.model, self.pool, plan.prefills + plan.verifies, decodes=plan.decodes)
+        elif feed is not None:   # decodes alone, their inputs fed on the device: a graph replay
+            logits = self.decode(plan.decodes, feed)
         elif plan.verifies or plan.decodes:  # decode rows only: the CUDA graph of their number, on a GPU
             logits = self.decode(decode_rows_of(plan.verifies) + plan.decodes)
         else:
-            logits = None
-        return Launched(plan, logits)
+            return Launched(plan, None)
+        samplings = [s.sampling for s in plan.steps]
+        if plan.verifies or not all(map(samples_on_device, samplings)):
+            return Launched(plan, logits)    # drawn in finish (sample_step), where the host's lists are read
+        states = [s.rng.bit_generator.state for s in samplings if s is not None]
+        try:
+            return Launched(plan, logits, sample_on_device(logits, samplings, batched=not self.model.batch_invariant))
+        except Exception:   # drawn again in finish, each group then each entry alone: a failure is its entry's alone
+            for s, state in zip([s for s in samplings if s is not None], states):
+                s.rng.bit_generator.state = state
+            return Launched(plan, logits)
+
+    def _replays(self, plan: StepPlan) -> bool:
+        """Whether the plan's pass is a graph replay: decodes alone, as many as a graph has rows, on a GPU."""
+        return (self.graphs is not None and not (plan.prefills or plan.verifies)
+                and self.graphs.takes(len(plan.decodes)))
 
     def finish(self, launched: Launched) -> StepOutput:
-        """The second half: sample where the plan says, and bring the ids (and logprobs) to the host."""
-        plan, logits = launched
+        """The second half: sample where the plan says (unless launch did), and bring the ids (and logprobs) to the
+        host."""
+        plan, logits, drawn = launched
         samplings = [s.sampling for s in plan.steps]
+        if drawn is not None:
+            tokens = to_host(drawn).tolist()
+            return StepOutput([[tokens[i]] if s else [] for i, s in enumerate(samplings)], [None] * len(samplings))
         if logits is None or not any(samplings):
             return StepOutput([[] for _ in samplings], [None] * len(samplings))
         return sample_step(logits, samplings, [s.proposals for s in plan.steps],
@@ -119,6 +162,6 @@ class ModelRunner:
         """Drop the model, the pool and the graphs, and hand the memory back (on a GPU, CuPy keeps freed
         memory for this process's next arrays until told otherwise)."""
         ops = self.model.ops
-        self.model = self.pool = self.draft = self.decode = self.mask_table = None
+        self.model = self.pool = self.draft = self.decode = self.graphs = self.mask_table = None
         gc.collect()  # an array caught in a reference cycle goes only when the collector runs: run it now
         ops.free_cached_memory()

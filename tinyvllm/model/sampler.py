@@ -38,9 +38,9 @@ def sample(logits, params, rng: np.random.Generator, in_order: bool = False) -> 
     return draw(logits[None, :], [params], [rng])[0]
 
 
-def sample_rows(logits, params: list, rngs: list[np.random.Generator]) -> list[int]:
+def sample_rows_on_device(logits, params: list, rngs: list[np.random.Generator]):
     """One token per row of a (rows, vocab) batch of logits, every row with temperature > 0: row r as params[r]
-    says, with one uniform number from rngs[r]. Every reduction runs along a row, so a row's token does not
+    says, with one uniform number from rngs[r]; the ids stay where the logits are. Every reduction runs along a row, so a row's token does not
     depend on the others. The rows are all cut (top-k, min-p or top-p: a sort) or none is: an uncut row is
     drawn from the vocabulary's own order, a cut one from the sorted order."""
     xp = array_module(logits)
@@ -54,8 +54,12 @@ def sample_rows(logits, params: list, rngs: list[np.random.Generator]) -> list[i
         order, cdf, kept = None, xp.cumsum(probs, axis=1), probs.shape[1]
     u = xp.asarray([rng.random() for rng in rngs]) * cdf[:, -1]  # the numbers that cross from the host
     i = xp.minimum((cdf <= u[:, None]).sum(axis=1), kept - 1)   # searchsorted(side="right"), never past the kept
-    tokens = i if order is None else xp.take_along_axis(order, i[:, None], axis=1)[:, 0]
-    return to_host(tokens).tolist()
+    return i if order is None else xp.take_along_axis(order, i[:, None], axis=1)[:, 0]
+
+
+def sample_rows(logits, params: list, rngs: list[np.random.Generator]) -> list[int]:
+    """sample_rows_on_device, the tokens brought to the host."""
+    return to_host(sample_rows_on_device(logits, params, rngs)).tolist()
 
 
 def cuts(params) -> bool:
@@ -155,17 +159,47 @@ def sample_step(logits, samplings: list[Sampling | None], proposals: list[list[i
                                    proposals[i])
             except Exception as e:   # this entry's alone: the others go on
                 errors[i] = e
-        else:   # the batch-invariant mode draws uncut sampled rows together too: sample_in_order is per row
-            together = batched or kind(s.params) == "sampled"
-            groups.setdefault(kind(s.params) if together else str(i), []).append(i)
+        else:
+            groups.setdefault(group_of(i, s.params, batched), []).append(i)
     for entries in groups.values():
         draw_group(logits, samplings, entries, [firsts[i] for i in entries], tokens, errors, batched)
     return StepOutput(tokens, step_logprobs(logits, samplings, tokens, firsts, errors), errors)
 
 
+def samples_on_device(sampling: Sampling | None) -> bool:
+    """Whether an entry's token can be drawn without the host: no penalties (they count the tokens on the host), no
+    logprobs, no structured output's mask (both need the drawn token on the host)."""
+    return sampling is None or (not sampling.params.has_penalties and sampling.params.logprobs is None
+                                and sampling.allowed is None)
+
+
+def sample_on_device(logits, samplings: list[Sampling | None], batched: bool = True):
+    """One token per row of a step's logits, one entry a row, every sampling samples_on_device, drawn as sample_step
+    draws them (the same tokens): the greedy rows with one argmax, the others in groups of one kind. The ids stay on
+    the device (a row nobody samples gets some id, never read), so the next step can take them as its input before
+    the host has seen them (chapter 7's async scheduling); the host reads them later, in one copy."""
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(samplings):
+        if s is not None:
+            groups.setdefault("greedy" if s.params.temperature == 0 else group_of(i, s.params, batched), []).append(i)
+    if set(groups) <= {"greedy"}:
+        return logits.argmax(axis=1)
+    tokens = array_module(logits).zeros(len(samplings), dtype=np.int64)
+    for entries in groups.values():
+        tokens[entries] = draw_rows_on_device(logits, [samplings[i] for i in entries], entries, batched)
+    return tokens
+
+
 def kind(params) -> str:
     """One-row entries of one kind are drawn together: greedy (with penalties), sampled, or sampled and cut."""
     return "greedy" if params.temperature == 0 else "cut" if cuts(params) else "sampled"
+
+
+def group_of(entry: int, params, batched: bool) -> str:
+    """Which entries are drawn together: one kind each, or in the batch-invariant mode (not batched) each greedy or cut
+    entry alone (a GPU reduction's order may depend on the rows beside); uncut sampled rows still go together there,
+    sample_in_order being per row."""
+    return kind(params) if batched or kind(params) == "sampled" else str(entry)
 
 
 def draw_group(logits, samplings: list[Sampling | None], entries: list[int], rows: list[int], tokens: list,
@@ -189,8 +223,13 @@ def draw_group(logits, samplings: list[Sampling | None], entries: list[int], row
 
 
 def draw_rows(logits, samplings: list[Sampling], rows: list[int], batched: bool = True) -> list[int]:
+    """draw_rows_on_device, the tokens brought to the host."""
+    return to_host(draw_rows_on_device(logits, samplings, rows, batched)).tolist()
+
+
+def draw_rows_on_device(logits, samplings: list[Sampling], rows: list[int], batched: bool = True):
     """The penalized rows (each its own copy), then one argmax or one sample_rows for all of them (sample_in_order
-    when not batched: the batch-invariant mode)."""
+    when not batched: the batch-invariant mode); the ids stay on the device."""
     xp = array_module(logits)
     if any(s.params.has_penalties for s in samplings):
         batch = xp.stack([apply_penalties(logits[r], s.params, s.prompt_ids, s.output_ids)
@@ -198,13 +237,18 @@ def draw_rows(logits, samplings: list[Sampling], rows: list[int], batched: bool 
     else:
         batch = logits[rows]
     if samplings[0].params.temperature == 0:
-        return to_host(batch.argmax(axis=1)).tolist()
+        return batch.argmax(axis=1)
     params = [s.params for s in samplings]
-    draw = sample_in_order if not batched and not any(cuts(p) for p in params) else sample_rows
+    draw = sample_in_order_on_device if not batched and not any(cuts(p) for p in params) else sample_rows_on_device
     return draw(batch, params, [s.rng for s in samplings])
 
 
 def sample_in_order(logits, params: list, rngs: list[np.random.Generator]) -> list[int]:
+    """sample_in_order_on_device, the tokens brought to the host."""
+    return to_host(sample_in_order_on_device(logits, params, rngs)).tolist()
+
+
+def sample_in_order_on_device(logits, params: list, rngs: list[np.random.Generator]):
     """sample_rows for rows that cut nothing, as the batch-invariant mode draws them (chapter 7): the backend's
     sample_rows (kernels/sample_rows.cu, or its NumPy twin) sums each row in an order fixed by the vocabulary size,
     so a row's token does not depend on how many rows are drawn with it. One uniform number per row, as ever.
@@ -217,7 +261,7 @@ def sample_in_order(logits, params: list, rngs: list[np.random.Generator]) -> li
     out = xp.empty(len(params), dtype=np.int32)
     ops.sample_rows(xp.ascontiguousarray(logits, dtype=np.float32), xp.asarray([1 / p.temperature for p in params]),
                     xp.asarray([rng.random() for rng in rngs]), out)
-    return to_host(out).tolist()
+    return out
 
 
 def verify(target: Callable[[int, list[int]], int], proposals: list[int]) -> list[int]:

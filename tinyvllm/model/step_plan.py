@@ -28,6 +28,8 @@ from itertools import chain
 import numpy as np
 
 BLOCK_SIZE = 16            # tokens per block: the one source (the kernels get it through NVRTC's -D)
+PENDING_TOKEN = -1         # a decode's input not yet on the host: the step before drew it on the device, and the
+                           # runner feeds it in there (async scheduling, engine.py)
 
 
 def blocks_for(num_tokens: int) -> int:
