@@ -101,7 +101,7 @@ def test_graph_inputs_written_incrementally_equal_a_full_rewrite():
     """CUDA-graph decode keeps its host inputs between steps and rewrites only what changed; after
     random admissions, decodes, departures, preemptions (a freed sequence comes back with new blocks) and
     rollbacks (a table cut, then grown again with other blocks), every row must still hold exactly its
-    sequence's table, slot, position and length."""
+    sequence's table, slot, position, length and fed row."""
     from tinyvllm.engine.block_manager import BLOCK_SIZE, BlockManager, blocks_for, plan_decode
     from tinyvllm.model.cuda_graphs import DecodeInputs, buckets
     rng = np.random.default_rng(0)
@@ -131,17 +131,18 @@ def test_graph_inputs_written_incrementally_equal_a_full_rewrite():
         before = {s: blocks.lengths[s] for s in running}
         tokens = rng.integers(0, 32, len(running)).tolist()
         size = next(b for b in buckets(64) if b >= len(running))
-        columns = host.fill(plan_decode(blocks, running, tokens), size)
+        fed = rng.integers(-1, 64, len(running)).tolist() if rng.random() < 0.5 else None   # async scheduling's rows
+        columns = host.fill(plan_decode(blocks, running, tokens), size, fed)
         assert columns == max(blocks_for(before[s] + 1) for s in running)
         for row, s in enumerate(running):
             table = blocks.tables[s]
             assert host.tables[row, :len(table)].tolist() == table
             p = before[s]
             assert host.vectors[:, row].tolist() == [tokens[row], p, table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE,
-                                                     p + 1]
+                                                     p + 1, -1 if fed is None else fed[row]]
         for row in range(len(running), size):            # padding rows: one token in the scratch block
             assert host.tables[row, 0] == scratch
-            assert host.vectors[:, row].tolist() == [0, 0, scratch * BLOCK_SIZE, 1]
+            assert host.vectors[:, row].tolist() == [0, 0, scratch * BLOCK_SIZE, 1, -1]
 
 
 def test_a_scheduler_that_admits_nobody_is_an_error_not_a_hang(default_model_dir, monkeypatch):

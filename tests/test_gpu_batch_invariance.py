@@ -223,3 +223,36 @@ def test_sampled_alone_and_together_are_the_same_tokens(model_dir):
     tokens, logprobs = generated(llm, prompts, params)
     other = [i for i, (t, lp) in enumerate(alone) if t[0] != tokens[i] or lp[0] != logprobs[i]]
     assert not other, f"alone vs together: prompts {other} differ; seed {seed}"
+
+
+def test_running_ahead_gives_the_tokens_of_one_step_at_a_time(model_dir):
+    """Async scheduling on the GPU (engine.py): step N + 1's graph replay takes step N's tokens on the device. The
+    batch-invariant mode makes a row's numbers independent of the rows beside, so the tokens must be equal bit for bit
+    to the engine's one step at a time, through stop tokens, sampling and admissions; and the replays must have been
+    fed (a pipeline that never engages fails). Then batch 1 in the default mode, the graph the engine serves."""
+    from tinyvllm import LLM, SamplingParams
+    from tinyvllm.formats.config import load_config
+    path, vocab = model_dir, load_config(model_dir).vocab_size
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 3000, int(rng.integers(5, 200))).tolist() for _ in range(24)]
+    params = [SamplingParams(temperature=float(rng.choice([0, 0.8])), top_k=int(rng.choice([0, 20])), seed=i,
+                             stop_token_ids=rng.integers(0, vocab, vocab // 20).tolist(), max_tokens=int(rng.integers(1, 60)),
+                             ignore_eos=True) for i in range(24)]
+    single = [rng.integers(0, 3000, 300).tolist()], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs, fed = {}, {}
+    for ahead in (False, True):
+        llm = LLM(str(path), device="cuda", num_blocks=400, max_num_seqs=16, batch_invariant=True,
+                  async_scheduling=ahead)
+        assert llm.engine.runs_ahead == ahead
+        graphs, fed[ahead] = llm.engine.runner.graphs, [0]
+        feed = graphs._feed
+        graphs._feed = lambda n, f, feed=feed, count=fed[ahead]: (count.__setitem__(0, count[0] + 1), feed(n, f))
+        outs[ahead] = [(o.token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+        assert llm.engine.scheduler.block_manager.num_free == 400
+        llm.close()
+        default = LLM(str(path), device="cuda", num_blocks=400, async_scheduling=ahead)
+        outs[ahead].append(default.generate(*single)[0].token_ids)
+        default.close()
+    assert outs[False] == outs[True]
+    assert fed[False] == [0] and fed[True][0] > 20, f"{fed[True][0]} replays were fed"
+    assert {reason for _, reason in outs[True][:-1]} == {"stop", "length"}

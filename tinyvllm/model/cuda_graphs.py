@@ -40,21 +40,24 @@ def buckets(max_num_seqs: int) -> list[int]:
 class DecodeInputs:
     """A decode step's inputs on the host, laid out as the graph's static buffers are on the GPU.
 
-    vectors (4, rows) int32: token ids, positions, slots, lengths; tables (rows, width) int32: row r's
-    block table. Rewriting all tables every step costs ~0.5 ms of Python at 256 sequences, so a row is
+    vectors (5, rows) int32: token ids, positions, slots, lengths, and where the id is fed from (async scheduling: the
+    entry of the step before whose token, drawn on the device, is the row's input; -1: its own id); tables (rows, width)
+    int32: row r's block table. Rewriting all tables every step costs ~0.5 ms of Python at 256 sequences, so a row is
     written only where it changed: a new sequence in that row, or blocks appended since the last step."""
 
     def __init__(self, rows: int, width: int, scratch_block: int, empty=np.empty):
-        self.vectors, self.tables = empty((4, rows), np.int32), empty((rows, width), np.int32)
+        self.vectors, self.tables = empty((5, rows), np.int32), empty((rows, width), np.int32)
         self.scratch_block = scratch_block
         self.written: list[tuple[list, int] | None] = [None] * rows  # per row: (the table list, blocks copied)
 
-    def fill(self, steps: list[SeqStep], size: int) -> int:
-        """Write this step's inputs for `size` rows (the bucket) from the plan; returns the table columns in use."""
+    def fill(self, steps: list[SeqStep], size: int, fed: list[int] | None = None) -> int:
+        """Write this step's inputs for `size` rows (the bucket) from the plan, and fed (runner.Feed.rows; None: every
+        row's id is its own); returns the table columns in use."""
         n, pad = len(steps), size - len(steps)
         self.vectors[:3, :n] = step_inputs(steps)                 # ids, positions, slots
         self.vectors[3, :n] = [s.end for s in steps]               # lengths: the keys each row attends to
-        self.vectors[:, n:size] = np.array([[0], [0], [self.scratch_block * BLOCK_SIZE], [1]])  # padding rows
+        self.vectors[4, :n] = -1 if fed is None else fed
+        self.vectors[:, n:size] = np.array([[0], [0], [self.scratch_block * BLOCK_SIZE], [1], [-1]])  # padding rows
         for row, s in enumerate(steps):
             table, done = s.block_table, self.written[row]
             # the plan hands over the block manager's own list, which only ever grows while the sequence
@@ -80,8 +83,8 @@ class GraphedDecode:
         self.buckets = buckets(max_num_seqs)
         rows, width = self.buckets[-1], blocks_for(model.max_model_len)
         self.host = DecodeInputs(rows, width, pool.scratch_block, empty=cupyx.empty_pinned)  # pinned: async copies
-        self.vectors, self.tables = cp.zeros((4, rows), np.int32), cp.zeros((rows, width), np.int32)
-        self.ids, self.positions, self.slots, self.lengths = self.vectors
+        self.vectors, self.tables = cp.zeros((5, rows), np.int32), cp.zeros((rows, width), np.int32)
+        self.ids, self.positions, self.slots, self.lengths, self.fed = self.vectors
         self.logits = cp.empty((rows, model.cfg.vocab_size), np.float32)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.copied = None  # the event after the last copies: the host arrays are not rewritten before it
@@ -90,6 +93,7 @@ class GraphedDecode:
         self.timings: dict[int, dict[str, float]] = {}   # bucket -> ms per replay of each candidate layer
         self.chosen: dict[int, str] = {}                 # bucket -> the layer its graph runs
         self.programs: dict[int, object] = {}   # bucket -> its persistent step (its graph launches it)
+        self.feed_kernel = None                 # compiled on the first fed step (async scheduling)
 
     def takes(self, rows: int) -> bool:
         """Whether a step of this many rows replays a graph (more rows, e.g. verifications of k + 1 rows: eagerly)."""
@@ -104,13 +108,13 @@ class GraphedDecode:
         size = next(b for b in self.buckets if b >= n)
         if self.copied is not None:
             self.copied.synchronize()
-        columns = self.host.fill(steps, size)
+        columns = self.host.fill(steps, size, None if feed is None else feed.rows)
         self.stream.wait_event(self.cp.cuda.get_current_stream().record())  # after the K/V earlier work wrote
         with self.stream:
             self._upload(size, columns)
-            self.copied = self.stream.record()
             if feed is not None:
                 self._feed(n, feed)
+            self.copied = self.stream.record()
             if size not in self.graphs:
                 self.graphs[size] = self._capture(size)
             self.graphs[size].launch(self.stream)
@@ -127,13 +131,13 @@ class GraphedDecode:
                          rt.memcpyHostToDevice, self.stream.ptr)
 
     def _feed(self, n: int, feed) -> None:
-        """ids[j] = feed.tokens[feed.rows[j]] where rows[j] >= 0: the step ahead's tokens, never seen by the host.
-        On the replay's stream, after the upload (which wrote PENDING_TOKEN there) and after the sampling that drew
-        them (the stream waited for the current one)."""
-        cp = self.cp
-        rows = cp.asarray(np.asarray(feed.rows, dtype=np.int32))
-        fed = feed.tokens[cp.maximum(rows, 0)].astype(np.int32)
-        self.ids[:n] = cp.where(rows >= 0, fed, self.ids[:n])
+        """ids[j] = feed.tokens[fed[j]] where fed[j] >= 0: the step ahead's tokens, never seen by the host. One
+        elementwise kernel on the replay's stream, after the upload (which wrote PENDING_TOKEN and fed there) and after
+        the sampling that drew them (the stream waited for the current one); Feed.on_host is its twin."""
+        if self.feed_kernel is None:
+            self.feed_kernel = self.cp.ElementwiseKernel("int32 fed, raw int64 tokens", "int32 id",
+                                                         "if (fed >= 0) id = (int)tokens[fed];", "feed_tokens")
+        self.feed_kernel(self.fed[:n], feed.tokens.astype(np.int64, copy=False), self.ids[:n])
 
     def layers(self, size: int) -> list[str]:
         """The layers that can run a bucket: the fused layer's range (uses_fused_layer) adds the fused and, where the

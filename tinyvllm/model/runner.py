@@ -52,10 +52,12 @@ def decode_rows_of(verifies: list[SeqStep]) -> list[SeqStep]:
 class Launched(NamedTuple):
     """A step whose forward pass is queued: its plan, and the logits of its rows the device may still compute
     (every prefill's last token, every verification's last proposed + 1 tokens, then every decode); when every
-    entry samples_on_device, the tokens too, drawn on the device (one per entry; else None: drawn in finish)."""
+    entry samples_on_device, the tokens too, drawn on the device (one per entry; else None: drawn in finish), and
+    their copy to the host, already queued (ops.HostCopy)."""
     plan: StepPlan
     logits: object
     tokens: object = None
+    copy: object = None
 
 
 class Feed(NamedTuple):
@@ -134,7 +136,8 @@ class ModelRunner:
             return Launched(plan, logits)    # drawn in finish (sample_step), where the host's lists are read
         states = [s.rng.bit_generator.state for s in samplings if s is not None]
         try:
-            return Launched(plan, logits, sample_on_device(logits, samplings, batched=not self.model.batch_invariant))
+            tokens = sample_on_device(logits, samplings, batched=not self.model.batch_invariant)
+            return Launched(plan, logits, tokens, self.model.ops.HostCopy(tokens))
         except Exception:   # drawn again in finish, each group then each entry alone: a failure is its entry's alone
             for s, state in zip([s for s in samplings if s is not None], states):
                 s.rng.bit_generator.state = state
@@ -148,10 +151,10 @@ class ModelRunner:
     def finish(self, launched: Launched) -> StepOutput:
         """The second half: sample where the plan says (unless launch did), and bring the ids (and logprobs) to the
         host."""
-        plan, logits, drawn = launched
+        plan, logits, drawn, copy = launched
         samplings = [s.sampling for s in plan.steps]
         if drawn is not None:
-            tokens = to_host(drawn).tolist()
+            tokens = copy.result().tolist()
             return StepOutput([[tokens[i]] if s else [] for i, s in enumerate(samplings)], [None] * len(samplings))
         if logits is None or not any(samplings):
             return StepOutput([[] for _ in samplings], [None] * len(samplings))

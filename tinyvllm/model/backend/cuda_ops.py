@@ -295,6 +295,21 @@ def to_host(a: cp.ndarray) -> np.ndarray:
     return cp.asnumpy(a)
 
 
+class HostCopy:
+    """A device array's copy to the host, queued now on the current stream into pinned memory; result() waits for that
+    copy alone, not for the kernels queued on the stream after it (with async scheduling: the next step's)."""
+    def __init__(self, a: cp.ndarray):
+        import cupyx
+        stream = cp.cuda.get_current_stream()
+        self.host = cupyx.empty_pinned(a.shape, a.dtype)
+        a.get(stream=stream, out=self.host, blocking=False)
+        self.done = stream.record()
+
+    def result(self) -> np.ndarray:
+        self.done.synchronize()
+        return self.host
+
+
 def upload_weight(a: np.ndarray) -> cp.ndarray:
     """A checkpoint tensor -> bf16 bits on the GPU: half the bytes of float32 to read every step."""
     from tinyvllm.formats.bf16 import float32_to_bf16_bits
