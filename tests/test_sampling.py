@@ -179,3 +179,16 @@ def test_sampler_draws_from_the_right_distribution(case):
     # the test has power: the same draws reject a near-miss distribution (a draw it forbids, or a large statistic)
     impossible = (counts[wrong_probs == 0] > 0).any()
     assert impossible or chi_square(counts, wrong_probs) > chi_square_critical(int((wrong_probs > 0).sum()) - 1)
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 1000, 997, 7])
+def test_argmax_in_pieces_is_numpys_argmax_ties_and_nans_included(rng, vocab):
+    """argmax_rows cuts each row into pieces (a divisor of the vocabulary: none for a prime one); the first index of
+    the maximum must come out, as NumPy's, with ties everywhere and NaNs (NumPy's argmax returns the first NaN)."""
+    from tinyvllm.model.sampler import argmax_rows
+    for rows in (1, 5):
+        tied = rng.integers(-3, 3, (rows, vocab)).astype(np.float32)
+        tied[0, rng.integers(0, vocab, 2)] = np.nan
+        plain = rng.standard_normal((rows, vocab)).astype(np.float32)
+        for logits in (tied, plain):
+            assert argmax_rows(logits).tolist() == logits.argmax(axis=1).tolist()

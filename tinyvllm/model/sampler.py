@@ -21,12 +21,15 @@ rows that ask with one log-softmax; a sequence whose sampling fails is that sequ
 from __future__ import annotations
 
 from collections.abc import Callable
+import math
 from itertools import accumulate
 
 import numpy as np
 
 from tinyvllm.model.mask_table import MaskTable
 from tinyvllm.model.step_plan import Sampling, StepOutput
+
+ARGMAX_PIECES = 256   # argmax_rows cuts a row into at most this many pieces (a divisor of the vocabulary size)
 
 
 def sample(logits, params, rng: np.random.Generator, in_order: bool = False) -> int:
@@ -60,6 +63,20 @@ def sample_rows_on_device(logits, params: list, rngs: list[np.random.Generator])
 def sample_rows(logits, params: list, rngs: list[np.random.Generator]) -> list[int]:
     """sample_rows_on_device, the tokens brought to the host."""
     return to_host(sample_rows_on_device(logits, params, rngs)).tolist()
+
+
+def argmax_rows(logits):
+    """logits.argmax(axis=1) (the first index on ties, as NumPy's), in two passes: each row cut into up to ARGMAX_PIECES
+    pieces, the argmax of every piece at once, then of the pieces' maxima. CuPy reduces a row in one block of threads:
+    one 128K-entry row, on one of an H200's 132 SMs, took 107 us of a 1.3 ms decode step; the pieces spread over all."""
+    xp, (rows, vocab) = array_module(logits), logits.shape
+    pieces = math.gcd(vocab, ARGMAX_PIECES)
+    if pieces == 1:
+        return logits.argmax(axis=1)
+    cut = xp.ascontiguousarray(logits).reshape(rows, pieces, vocab // pieces)
+    best = cut.argmax(axis=2)                                                  # (rows, pieces): each piece's first max
+    piece = xp.take_along_axis(cut, best[:, :, None], axis=2)[:, :, 0].argmax(axis=1)   # the first piece with the max
+    return piece * (vocab // pieces) + xp.take_along_axis(best, piece[:, None], axis=1)[:, 0]
 
 
 def cuts(params) -> bool:
@@ -145,7 +162,7 @@ def sample_step(logits, samplings: list[Sampling | None], proposals: list[list[i
     plain = [i for i, s in enumerate(samplings) if s is not None and is_plain_greedy(s.params)]
     if plain:   # the greedy rows without penalties, all with ONE argmax (no gather when every row is one)
         rows = [firsts[i] + j for i in plain for j in range(len(proposals[i]) + 1)]
-        best = to_host((logits if len(rows) == len(logits) else logits[rows]).argmax(axis=1)).tolist()
+        best = to_host(argmax_rows(logits if len(rows) == len(logits) else logits[rows])).tolist()
         at = dict(zip(rows, best))
         for i in plain:
             tokens[i] = verify(lambda j, accepted: at[firsts[i] + j], proposals[i])
@@ -183,7 +200,7 @@ def sample_on_device(logits, samplings: list[Sampling | None], batched: bool = T
         if s is not None:
             groups.setdefault("greedy" if s.params.temperature == 0 else group_of(i, s.params, batched), []).append(i)
     if set(groups) <= {"greedy"}:
-        return logits.argmax(axis=1)
+        return argmax_rows(logits)
     tokens = array_module(logits).zeros(len(samplings), dtype=np.int64)
     for entries in groups.values():
         tokens[entries] = draw_rows_on_device(logits, [samplings[i] for i in entries], entries, batched)
@@ -237,7 +254,7 @@ def draw_rows_on_device(logits, samplings: list[Sampling], rows: list[int], batc
     else:
         batch = logits[rows]
     if samplings[0].params.temperature == 0:
-        return batch.argmax(axis=1)
+        return argmax_rows(batch)
     params = [s.params for s in samplings]
     draw = sample_in_order_on_device if not batched and not any(cuts(p) for p in params) else sample_rows_on_device
     return draw(batch, params, [s.rng for s in samplings])
