@@ -407,14 +407,14 @@ def test_a_client_that_leaves_before_the_first_byte_is_aborted(server):
 def test_a_failure_inside_the_engine_fails_that_request_alone(monkeypatch, expected):
     """A fault injected into one request's sampling (the engine runs in a thread here, so it can be
     patched) fails that request with an error object; the others, in the same batch, are unharmed."""
-    sample_rows = sampler_module.sample_rows
+    sample_rows = sampler_module.sample_rows_on_device
 
     def faulty(logits, params, rngs):
         if any(p.seed == 666 for p in params):   # a batch holding it fails; then its row alone does
             raise ValueError("injected fault")
         return sample_rows(logits, params, rngs)
 
-    monkeypatch.setattr(sampler_module, "sample_rows", faulty)
+    monkeypatch.setattr(sampler_module, "sample_rows_on_device", faulty)
     srv = start(engine_in_thread=True)
     try:
         async def together():
