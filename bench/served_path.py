@@ -62,7 +62,8 @@ def served(model_dir: Path, ahead: bool) -> dict:
         end = stream.record()
         end.synchronize()
         replays.append(cp.cuda.get_elapsed_time(start, end))
-    result = {"async_scheduling": ahead, "llm_ms_per_token_runs": runs, "llm_ms_per_token_median": statistics.median(runs),
+    result = {"async_scheduling": ahead, "llm_ms_per_token_runs": runs,
+              "llm_ms_per_token_median": statistics.median(runs),
               "graph_replay_ms_median": statistics.median(replays),
               "per_call_us_median": {k: 1e6 * statistics.median(v) for k, v in times.items()},
               "layer_timings_ms_per_bucket": {str(k): v for k, v in runner.graphs.timings.items()}}

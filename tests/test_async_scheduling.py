@@ -52,7 +52,8 @@ def plain_params(rng, count: int, vocab_size: int) -> list[SamplingParams]:
         params.append(SamplingParams(
             temperature=0.0 if greedy else float(rng.choice([0.5, 1.0])), top_k=int(rng.choice([0, 8])),
             top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(2**31)),
-            stop_token_ids=rng.integers(3, vocab_size, vocab_size // 20).tolist(), max_tokens=int(rng.integers(1, 40)), ignore_eos=True))
+            stop_token_ids=rng.integers(3, vocab_size, vocab_size // 20).tolist(), max_tokens=int(rng.integers(1, 40)),
+            ignore_eos=True))
     return params
 
 

@@ -236,7 +236,8 @@ def test_running_ahead_gives_the_tokens_of_one_step_at_a_time(model_dir):
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 3000, int(rng.integers(5, 200))).tolist() for _ in range(24)]
     params = [SamplingParams(temperature=float(rng.choice([0, 0.8])), top_k=int(rng.choice([0, 20])), seed=i,
-                             stop_token_ids=rng.integers(0, vocab, vocab // 20).tolist(), max_tokens=int(rng.integers(1, 60)),
+                             stop_token_ids=rng.integers(0, vocab, vocab // 20).tolist(),
+                             max_tokens=int(rng.integers(1, 60)),
                              ignore_eos=True) for i in range(24)]
     single = [rng.integers(0, 3000, 300).tolist()], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outs, fed = {}, {}

@@ -182,9 +182,10 @@ class Engine:
             if after is not None:          # all running are about to finish, nobody fits yet: plan after the tokens
                 return None
             if self.has_work():
-                raise TinyVLLMError(f"the scheduler planned a step that runs nothing while {len(self.scheduler.waiting)} "
-                                    f"requests wait and {self.scheduler.block_manager.num_free} blocks are free; "
-                                    "admit() must admit the first waiting request when nothing is running")
+                raise TinyVLLMError(f"the scheduler planned a step that runs nothing while "
+                                    f"{len(self.scheduler.waiting)} requests wait and "
+                                    f"{self.scheduler.block_manager.num_free} blocks are free; admit() must admit the "
+                                    "first waiting request when nothing is running")
         launched = self.runner.launch(step.plan, None if after is None else self._feed(after, step))
         self.scheduler.computed(step)   # the blocks this step filled become findable (prefix caching)
         return LaunchedStep(step, launched)

@@ -20,8 +20,8 @@ rows that ask with one log-softmax; a sequence whose sampling fails is that sequ
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 import math
+from collections.abc import Callable
 from itertools import accumulate
 
 import numpy as np
@@ -43,8 +43,8 @@ def sample(logits, params, rng: np.random.Generator, in_order: bool = False) -> 
 
 def sample_rows_on_device(logits, params: list, rngs: list[np.random.Generator]):
     """One token per row of a (rows, vocab) batch of logits, every row with temperature > 0: row r as params[r]
-    says, with one uniform number from rngs[r]; the ids stay where the logits are. Every reduction runs along a row, so a row's token does not
-    depend on the others. The rows are all cut (top-k, min-p or top-p: a sort) or none is: an uncut row is
+    says, with one uniform number from rngs[r]; the ids stay where the logits are. Every reduction runs along a row,
+    so a row's token does not depend on the others. The rows are all cut (top-k, min-p or top-p: a sort) or none is: an uncut row is
     drawn from the vocabulary's own order, a cut one from the sorted order."""
     xp = array_module(logits)
     temperature = xp.asarray([p.temperature for p in params], dtype=xp.float64)[:, None]
