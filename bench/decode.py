@@ -17,7 +17,8 @@ Then `batches`: at batch 1, 8 and 64 (--batches), the paged pool at the same con
 replay per step (eager on the CPU): ms per step (= per token of each sequence) fused, unfused and (on a GPU)
 persistent (chapter 8's one-launch step), the engine's choice among them, the floor and x the floor, and the backend op calls per step (one kernel launch each; paged attention adds a merge kernel in the
 layers where it splits a context; above GEMV_MAX_ROWS rows both modes run the unfused layer), and the same step in
-the batch-invariant mode (`batch_invariant`, with its ratio to the engine's default path).
+the batch-invariant mode (`batch_invariant`, with its ratio to the engine's default path). Per batch size also the
+unfused step's kernel table (eager, each op alone: what the graph replays above GEMV_DECODE_ROWS rows).
 
 On the CPU (--device cpu: NumPy, no graphs, no transformers) the same figures, as a smoke test with a small
 --model. Writes bench/results/decode-<time>.json (decode-cpu-<time>.json on the CPU).
@@ -233,7 +234,25 @@ def ms_per_step(model, batch: int, context: int, steps: int, layer: str | None =
     return 1e3 * statistics.median(times), len(timer.calls)
 
 
+def batch_kernel_table(model, batch: int, context: int, bandwidth: float) -> list[dict]:
+    """kernel_table of one eager decode step of `batch` sequences at `context` tokens each in the paged pool, the layer
+    model.fused_decode says (above GEMV_DECODE_ROWS rows the unfused one, on cuBLAS, whatever it says)."""
+    from tinyvllm.engine.block_manager import BlockManager, plan_decode
+    from tinyvllm.model.decode import decode_batch
+    from tinyvllm.model.kv_pool import PagedKVPool
+    from tinyvllm.model.step_plan import blocks_for
+    blocks = BlockManager(batch * blocks_for(context + 1))
+    pool, seqs = PagedKVPool(model.cfg, model.ops, blocks.num_free), list(range(batch))
+    for s in seqs:
+        blocks.allocate(s, context)
+    plan = plan_decode(blocks, seqs, [0] * batch)
+    decode_batch(model, pool, plan)   # warm-up: compiles what the step runs
+    return kernel_table(model, lambda: decode_batch(model, pool, plan), context + 1, bandwidth)
+
+
 def batch_sweep(model, batches: list[int], context: int, steps: int, bandwidth: float) -> list[dict]:
+    """Per batch size: each layer's graph-replayed step, the engine's choice, and (on the GPU) the unfused step's
+    kernel table, which is what runs above GEMV_DECODE_ROWS rows."""
     rows = []
     for batch in batches:
         floor = floor_ms(model, context, batch, bandwidth)
@@ -242,6 +261,8 @@ def batch_sweep(model, batches: list[int], context: int, steps: int, bandwidth: 
             model.fused_decode = layer != "unfused"   # the CPU's decode_batch follows it
             ms, calls = ms_per_step(model, batch, context, steps, layer=layer)
             row[layer] = {"ms_per_token": ms, "ratio_to_floor": ms / floor, "op_calls_per_step": calls}
+            if layer == "unfused":
+                row[layer]["kernel_table"] = batch_kernel_table(model, batch, context, bandwidth)
         model.fused_decode = True
         if model.device == "cuda":   # what the engine runs: the fastest, chosen at capture
             ms, calls = ms_per_step(model, batch, context, steps)
@@ -335,6 +356,12 @@ def measure_machine(device: str) -> tuple[dict, float]:
     return machine(), copy_bandwidth()
 
 
+def print_kernel_table(table: list[dict]) -> None:
+    for row in table:
+        print(f"    {row['op']:<22} {row['calls']:4d} calls {row['ms']:8.3f} ms {row['bytes'] / 1e6:10.2f} MB "
+              f"{row['gb_s']:8.0f} GB/s {100 * row['of_copy_bandwidth']:5.1f}%")
+
+
 def report(result: dict) -> None:
     floor = result["floor_ms"]
     print(f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s; a step reads "
@@ -347,9 +374,7 @@ def report(result: dict) -> None:
             print(f"    {op:<22} {ms:8.3f} ms")
     print("    (timing each op on its own adds a little to its time)")
     print("the fused step, op by op: bytes moved / time / copy bandwidth")
-    for row in result["fused"]["kernel_table"]:
-        print(f"    {row['op']:<22} {row['calls']:4d} calls {row['ms']:8.3f} ms {row['bytes'] / 1e6:10.2f} MB "
-              f"{row['gb_s']:8.0f} GB/s {100 * row['of_copy_bandwidth']:5.1f}%")
+    print_kernel_table(result["fused"]["kernel_table"])
     print(f"batch sweep ({result['batches_mode']}, context {result['context']} per sequence): ms per step")
     for row in result["batches"]:
         cells = "  ".join(f"{mode} {row[mode]['ms_per_token']:.3f} ({row[mode]['ratio_to_floor']:.2f}x, "
@@ -357,6 +382,9 @@ def report(result: dict) -> None:
                           for mode in ("fused", "unfused", "persistent", "engine", "batch_invariant")
                           if mode in row)
         print(f"    batch {row['batch']:3d}: floor {row['floor_ms']:.3f}  {cells}")
+    for row in result["batches"]:
+        print(f"the unfused step at batch {row['batch']}, op by op (eager, each op alone): bytes / time / copy bandwidth")
+        print_kernel_table(row["unfused"]["kernel_table"])
     invariant = result["batch_invariant"]
     print(f"batch-invariant mode (chapter 7): {invariant['ms_per_token']:.3f} ms/token, "
           f"{invariant['over_default']:.2f}x the default (fused) layer")

@@ -35,7 +35,7 @@ def steps(model_dir: Path, bandwidth: float) -> dict:
     for invariant in (False, True):
         model = Model(model_dir, device="cuda", max_num_batched_tokens=CONTEXT, batch_invariant=invariant)
         for batch in BATCHES:
-            ms, _ = ms_per_step(model, batch, CONTEXT, STEPS, measure=not invariant)
+            ms, _ = ms_per_step(model, batch, CONTEXT, STEPS)
             floor = floor_ms(model, CONTEXT, batch, bandwidth)
             result[f"{'batch_invariant' if invariant else 'default'} batch {batch}"] = {
                 "ms_per_step": ms, "ratio_to_floor": ms / floor}

@@ -31,7 +31,7 @@ from bench.gpu_common import copy_bandwidth, machine, write_result  # noqa: E402
 
 
 def use_defines(defines: list[str]) -> dict[str, int]:
-    """Recompile the kernels with some launch constants changed (NAME=VALUE), as bench/kernels.py --define does."""
+    """Recompile the kernels with some launch constants changed (NAME=VALUE), as bench/kernel_bench.py --define does."""
     from tinyvllm.model.backend import constants, cuda_ops
     changed = {name: int(value) for name, value in (d.split("=", 1) for d in defines)}
     unknown = set(changed) - set(constants.KERNEL_CONSTANTS)

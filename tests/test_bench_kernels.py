@@ -1,7 +1,7 @@
-"""bench/kernels.py, the kernel workbench, on the CPU: its command line refuses a mistake in one line with exit code 2
-before it needs a GPU, --list names every kernel, and without CuPy it says so in one line; its default shapes keep
+"""bench/kernel_bench.py, the kernel workbench, on the CPU: its command line refuses a mistake in one line with exit
+code 2 before it needs a GPU, --list names every kernel, and without CuPy it says so in one line; its default shapes keep
 each kernel's layout rules; --define reaches every module that reads the constants; and each family's dynamic
-shared memory comes from one function. The runs themselves need a GPU: python bench/kernels.py all.
+shared memory comes from one function. The runs themselves need a GPU: python bench/kernel_bench.py all.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.kernels import KERNELS, parse_shapes
+from bench.kernel_bench import KERNELS, parse_shapes
 from tests.test_cli import assert_user_error  # exit 2, one line on stderr, no traceback: the CLI's rule
 from tinyvllm.model.backend.constants import (
     DECODE_HEAD_DIMS,
@@ -37,10 +37,10 @@ def no_cupy(tmp_path) -> Path:
 
 
 def workbench(*args: str, no_cupy: Path) -> subprocess.CompletedProcess:
-    """python bench/kernels.py ARGS as a user runs it, on a machine without CuPy."""
+    """python bench/kernel_bench.py ARGS as a user runs it, on a machine without CuPy."""
     path = [str(no_cupy), str(ROOT), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
-    return subprocess.run([sys.executable, "bench/kernels.py", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "bench/kernel_bench.py", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -95,7 +95,7 @@ def test_default_shapes_keep_the_layout_rules():
 def test_defines_reach_the_launchers_the_twins_and_the_compiler():
     """In a fresh process (it changes module state): a given constant, the one derived from it, the twins' chunking
     and paged layout, and the -D options all take the new values; cuda_ops is imported after them."""
-    code = ("from bench.kernels import set_constants\n"
+    code = ("from bench.kernel_bench import set_constants\n"
             "print(set_constants({'GEMV_COLUMNS_PER_BLOCK': 4, 'BLOCK_SIZE': 32, 'DECODE_THREADS': 128}))\n"
             "from tinyvllm.model.backend import constants, numpy_ops\n"
             "print(' '.join(constants.nvrtc_defines()))\n"

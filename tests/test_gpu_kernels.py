@@ -151,17 +151,25 @@ def test_swiglu(ops, rng, T, inter):
     assert rel_err(from_bf16(act), expected) < 1e-2
 
 
-@pytest.mark.parametrize("rows,vocab", [(1, 1000), (3, 49152), (2, 128256), (4, 1)])
+@pytest.mark.parametrize("rows,vocab", [(1, 1000), (3, 49152), (2, 128256), (64, 128256), (4, 1), (5, 1025)])
 def test_argmax(ops, rng, rows, vocab):
+    """kernels/argmax.cu against NumPy's argmax and the twin: ties (the first index wins), NaNs (the first NaN wins),
+    an all -inf row, the maximum in the last, short piece, and rows read through a stride."""
     import cupy as cp
-    logits = rng.standard_normal((rows, vocab), dtype=np.float32)
-    if vocab > 10:  # ties: the first index must win, as in NumPy
+    wide = rng.standard_normal((rows, vocab + 3), dtype=np.float32)
+    logits = wide[:, :vocab]   # rows 3 floats apart
+    if vocab > 10:
         top = logits.max(axis=1) + 1
         logits[:, vocab // 2] = top
         logits[:, vocab - 1] = top
-    out = cp.full(rows, -1, dtype=cp.int32)
-    ops.argmax(cp.asarray(logits), out)
+        logits[-1] = -np.inf
+        logits[0, rng.integers(0, vocab, 2)] = np.nan
+        logits[min(1, rows - 1), vocab - 1] = 1e30
+    out, twin_out = cp.full(rows, -1, dtype=cp.int32), np.full(rows, -1, np.int32)
+    ops.argmax(cp.asarray(wide)[:, :vocab], out)
+    twin.argmax(logits, twin_out)
     np.testing.assert_array_equal(cp.asnumpy(out), np.argmax(logits, axis=1))
+    np.testing.assert_array_equal(twin_out, np.argmax(logits, axis=1))
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 1), (5, 1000), (64, 49152), (16, 128256)])

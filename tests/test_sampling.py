@@ -181,14 +181,17 @@ def test_sampler_draws_from_the_right_distribution(case):
     assert impossible or chi_square(counts, wrong_probs) > chi_square_critical(int((wrong_probs > 0).sum()) - 1)
 
 
-@pytest.mark.parametrize("vocab", [128256, 49152, 1000, 997, 7])
-def test_argmax_in_pieces_is_numpys_argmax_ties_and_nans_included(rng, vocab):
-    """argmax_rows cuts each row into pieces (a divisor of the vocabulary: none for a prime one); the first index of
-    the maximum must come out, as NumPy's, with ties everywhere and NaNs (NumPy's argmax returns the first NaN)."""
+@pytest.mark.parametrize("vocab", [128256, 49152, 2048, 1025, 1000, 997, 7])
+def test_argmax_in_pieces_is_numpys_argmax_ties_nans_and_infs_included(rng, vocab):
+    """argmax_rows goes through the backend's argmax, which cuts each row into pieces of ARGMAX_PIECE (the last one
+    short); the first index of the maximum must come out, as NumPy's, with ties everywhere, NaNs (NumPy's argmax
+    returns the first NaN), an all -inf row and the maximum in the last, short piece."""
     from tinyvllm.model.sampler import argmax_rows
     for rows in (1, 5):
         tied = rng.integers(-3, 3, (rows, vocab)).astype(np.float32)
         tied[0, rng.integers(0, vocab, 2)] = np.nan
+        tied[-1] = -np.inf
         plain = rng.standard_normal((rows, vocab)).astype(np.float32)
+        plain[0, -1] = 10
         for logits in (tied, plain):
             assert argmax_rows(logits).tolist() == logits.argmax(axis=1).tolist()

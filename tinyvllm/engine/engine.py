@@ -194,8 +194,9 @@ class Engine:
     def _feed(after: LaunchedStep, step: Step) -> Feed:
         """Which of `after`'s tokens each of step's entries takes as its input (those planned with PENDING_TOKEN)."""
         entry = {seq.seq_id: i for i, seq in enumerate(after.step.sequences)}
-        return Feed(after.launched.tokens, [entry[seq.seq_id] if plan.token_ids[-1] == PENDING_TOKEN else -1
-                                            for seq, plan in zip(step.sequences, step.plan.steps)])
+        return Feed(after.launched.tokens, after.launched.copy,
+                    [entry[seq.seq_id] if plan.token_ids[-1] == PENDING_TOKEN else -1
+                     for seq, plan in zip(step.sequences, step.plan.steps)])
 
     def finish_step(self, launched: LaunchedStep) -> list[tuple[Sequence, str]]:
         """The second half: the runner's tokens (the first read-back); record them, retire the finished."""

@@ -135,9 +135,9 @@ class GraphedDecode:
         elementwise kernel on the replay's stream, after the upload (which wrote PENDING_TOKEN and fed there) and after
         the sampling that drew them (the stream waited for the current one); Feed.on_host is its twin."""
         if self.feed_kernel is None:
-            self.feed_kernel = self.cp.ElementwiseKernel("int32 fed, raw int64 tokens", "int32 id",
+            self.feed_kernel = self.cp.ElementwiseKernel("int32 fed, raw T tokens", "int32 id",   # T: int32 or int64
                                                          "if (fed >= 0) id = (int)tokens[fed];", "feed_tokens")
-        self.feed_kernel(self.fed[:n], feed.tokens.astype(np.int64, copy=False), self.ids[:n])
+        self.feed_kernel(self.fed[:n], feed.tokens, self.ids[:n])
 
     def layers(self, size: int) -> list[str]:
         """The layers that can run a bucket: the fused layer's range (uses_fused_layer) adds the fused and, where the

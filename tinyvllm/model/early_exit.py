@@ -26,6 +26,7 @@ from dataclasses import replace
 
 from tinyvllm.model.decode import decode_batch
 from tinyvllm.model.model import Model
+from tinyvllm.model.sampler import argmax_rows
 from tinyvllm.model.step_plan import SeqStep, StepPlan
 
 
@@ -47,7 +48,7 @@ def draft(model: Model, pool, verifies: list[SeqStep], num_layers: int) -> list[
         drafting = [i for i, s in enumerate(verifies) if s.proposed > j]   # fewer guesses for some: budget, blocks
         steps = [draft_step(verifies[i], guesses[i], j) for i in drafting]
         logits = decode_batch(model, pool, steps, num_layers)
-        for i, token in zip(drafting, model.ops.to_host(logits.argmax(axis=1)).tolist()):
+        for i, token in zip(drafting, model.ops.to_host(argmax_rows(logits)).tolist()):
             guesses[i].append(token)
     return guesses
 

@@ -36,7 +36,7 @@ from tinyvllm.model.kv_pool import PagedKVPool, pool_blocks
 from tinyvllm.model.mask_table import MaskTable
 from tinyvllm.model.model import Model
 from tinyvllm.model.prefill import prefill_batch
-from tinyvllm.model.sampler import sample_on_device, sample_step, samples_on_device, to_host
+from tinyvllm.model.sampler import sample_on_device, sample_step, samples_on_device
 from tinyvllm.model.step_plan import SeqStep, StepOutput, StepPlan
 
 
@@ -65,11 +65,12 @@ class Feed(NamedTuple):
     is PENDING_TOKEN take the token the step ahead drew on the device: entry j's is tokens[rows[j]] (rows[j] -1: its
     own token_ids hold it)."""
     tokens: object        # the step ahead's Launched.tokens, on the device
+    copy: object          # ... and their copy to the host, already queued (its Launched.copy)
     rows: list[int]       # per entry of this plan (plan.steps' order)
 
     def on_host(self, plan: StepPlan) -> StepPlan:
-        """The plan with the fed tokens written in, read back from the device: for a step that is not a graph replay."""
-        tokens, entries = to_host(self.tokens), iter(self.rows)
+        """The plan with the fed tokens written in, as the host reads them: for a step that is not a graph replay."""
+        tokens, entries = self.copy.result(), iter(self.rows)
         fed = [[s if (row := next(entries)) < 0 else replace(s, token_ids=[int(tokens[row])]) for s in steps]
                for steps in (plan.prefills, plan.verifies, plan.decodes)]
         return StepPlan(*fed, plan.draft_layers)

@@ -20,7 +20,6 @@ rows that ask with one log-softmax; a sequence whose sampling fails is that sequ
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from itertools import accumulate
 
@@ -28,9 +27,6 @@ import numpy as np
 
 from tinyvllm.model.mask_table import MaskTable
 from tinyvllm.model.step_plan import Sampling, StepOutput
-
-ARGMAX_PIECES = 256   # argmax_rows cuts a row into at most this many pieces (a divisor of the vocabulary size)
-
 
 def sample(logits, params, rng: np.random.Generator, in_order: bool = False) -> int:
     """One token id from a (vocab,) logits vector, a NumPy or CuPy array: sample_rows of one row (sample_in_order's
@@ -66,17 +62,22 @@ def sample_rows(logits, params: list, rngs: list[np.random.Generator]) -> list[i
 
 
 def argmax_rows(logits):
-    """logits.argmax(axis=1) (the first index on ties, as NumPy's), in two passes: each row cut into up to ARGMAX_PIECES
-    pieces, the argmax of every piece at once, then of the pieces' maxima. CuPy reduces a row in one block of threads:
-    one 128K-entry row, on one of an H200's 132 SMs, took 107 us of a 1.3 ms decode step; the pieces spread over all."""
-    xp, (rows, vocab) = array_module(logits), logits.shape
-    pieces = math.gcd(vocab, ARGMAX_PIECES)
-    if pieces == 1:
-        return logits.argmax(axis=1)
-    cut = xp.ascontiguousarray(logits).reshape(rows, pieces, vocab // pieces)
-    best = cut.argmax(axis=2)                                                  # (rows, pieces): each piece's first max
-    piece = xp.take_along_axis(cut, best[:, :, None], axis=2)[:, :, 0].argmax(axis=1)   # the first piece with the max
-    return piece * (vocab // pieces) + xp.take_along_axis(best, piece[:, None], axis=1)[:, 0]
+    """logits.argmax(axis=1) by the backend's argmax (kernels/argmax.cu, or its NumPy twin): NumPy's answer (the first
+    index of the maximum, or of the first NaN), each row in pieces over the whole GPU. CuPy's own argmax reduces a row
+    in one block: one 128K-entry row, on one of an H200's 132 SMs, took 107 us of a 1.3 ms decode step."""
+    xp = array_module(logits)
+    out = xp.empty(len(logits), dtype=np.int32)
+    backend_ops(xp).argmax(xp.ascontiguousarray(logits, dtype=np.float32), out)
+    return out
+
+
+def backend_ops(xp):
+    """The backend whose kernels work on xp's arrays (cuda_ops for CuPy, numpy_ops for NumPy)."""
+    if xp is np:
+        from tinyvllm.model.backend import numpy_ops
+        return numpy_ops
+    from tinyvllm.model.backend import cuda_ops
+    return cuda_ops
 
 
 def cuts(params) -> bool:
@@ -271,12 +272,8 @@ def sample_in_order_on_device(logits, params: list, rngs: list[np.random.Generat
     so a row's token does not depend on how many rows are drawn with it. One uniform number per row, as ever.
     (A library's batched softmax and cumsum pick their schedule from the whole array's shape.)"""
     xp = array_module(logits)
-    if xp is np:
-        from tinyvllm.model.backend import numpy_ops as ops
-    else:
-        from tinyvllm.model.backend import cuda_ops as ops
     out = xp.empty(len(params), dtype=np.int32)
-    ops.sample_rows(xp.ascontiguousarray(logits, dtype=np.float32), xp.asarray([1 / p.temperature for p in params]),
+    backend_ops(xp).sample_rows(xp.ascontiguousarray(logits, dtype=np.float32), xp.asarray([1 / p.temperature for p in params]),
                     xp.asarray([rng.random() for rng in rngs]), out)
     return out
 

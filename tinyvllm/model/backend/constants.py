@@ -18,7 +18,8 @@ BF16_PER_VECTOR = 8  # bf16 values in one 16-byte vector load (uint4): what a ke
 # order only while GEMV_THREADS == ROWS, and asserts it
 ROWS = 256  # 8 warps stride over a row: 576 (SmolLM2) to 2048 (Llama 3.2 1B) columns in 3 to 8 steps
 NORM_VECTOR = 4  # columns add_rms_norm's threads take at once (a 16-byte fp32 load) when the hidden size is a multiple
-ARGMAX_THREADS = 1024  # one block scans a whole vocabulary row: the most a block may have, a power of 2 for the tree
+ARGMAX_THREADS = 256  # argmax: a block scans one piece of a row, 4 entries a thread
+ARGMAX_PIECE = 1024  # ... of this many entries: a 128K-entry row (Llama 3.2) is 126 blocks, about one per SM of an H200
 SAMPLE_THREADS = 1024  # sample_rows: one block a row, a slice of ceil(vocab / SAMPLE_THREADS) tokens a thread
 STORE_KV_THREADS = 128  # 8 bf16 each: 1024 K (and V) columns in one pass, 8 K/V heads x 128 (Llama 3.1 8B)
 
@@ -143,6 +144,7 @@ KERNEL_CONSTANTS = {
     "ROWS": ROWS,
     "NORM_VECTOR": NORM_VECTOR,
     "ARGMAX_THREADS": ARGMAX_THREADS,
+    "ARGMAX_PIECE": ARGMAX_PIECE,
     "SAMPLE_THREADS": SAMPLE_THREADS,
     "STORE_KV_THREADS": STORE_KV_THREADS,
     "PREFILL_TILE": PREFILL_TILE,
@@ -175,12 +177,12 @@ def nvrtc_defines() -> tuple[str, ...]:
 
 
 # ---- dynamic shared memory per block: one function per kernel family, the single source for the launchers
-# (cuda_ops) and the benchmarks that launch the kernels with other constants (bench/kernels.py, attention_tiles.py)
+# (cuda_ops) and the benchmarks that launch the kernels with other constants (bench/kernel_bench.py, attention_tiles.py)
 
 def prefill_smem(head_dim: int, constants: dict[str, int] | None = None) -> int:
     """prefill_attention.cu's (both kernels): the Q tile and PREFILL_KV_STAGES pairs of K and V tiles, bf16, each
     row padded by PREFILL_SMEM_PAD. `constants`: the values the kernel was compiled with, KERNEL_CONSTANTS if None."""
-    c = KERNEL_CONSTANTS if constants is None else constants  # looked up now: bench/kernels.py may have changed it
+    c = KERNEL_CONSTANTS if constants is None else constants  # looked up now: bench/kernel_bench.py may have changed it
     rows = c["PREFILL_TILE"] + 2 * c["PREFILL_KV_STAGES"] * c["PREFILL_KEY_TILE"]
     return rows * (head_dim + c["PREFILL_SMEM_PAD"]) * 2
 

@@ -12,6 +12,7 @@ import cupy as cp
 import numpy as np
 
 from tinyvllm.model.backend.constants import (
+    ARGMAX_PIECE,
     ARGMAX_THREADS,
     BF16_PER_VECTOR,
     DECODE_HEAD_DIMS,
@@ -366,8 +367,17 @@ def swiglu(gate_up: cp.ndarray, act: cp.ndarray) -> None:
 
 
 def argmax(logits: cp.ndarray, out: cp.ndarray) -> None:
+    """out[r] = the first index of row r's maximum (or first NaN), as NumPy's argmax: each row in pieces of
+    ARGMAX_PIECE entries, one block a piece, then the pieces' winners (kernels/argmax.cu)."""
     _rows_ok(logits)
-    kernel("argmax", "argmax")((logits.shape[0],), (ARGMAX_THREADS,), (logits, out, np.int32(logits.shape[1])))
+    assert logits.dtype == np.float32 and out.dtype == np.int32 and out.shape == logits.shape[:1]
+    rows, vocab = logits.shape
+    pieces = -(-vocab // ARGMAX_PIECE)
+    piece_val, piece_idx = cp.empty((rows, pieces), np.float32), cp.empty((rows, pieces), np.int32)
+    if rows:
+        kernel("argmax", "argmax_pieces")((pieces, rows), (ARGMAX_THREADS,), (
+            logits, np.int32(logits.strides[0] // 4), np.int32(vocab), piece_val, piece_idx))
+        kernel("argmax", "argmax_merge")((rows,), (ARGMAX_THREADS,), (piece_val, piece_idx, np.int32(pieces), out))
 
 
 def sample_rows(logits: cp.ndarray, inv_temperature: cp.ndarray, u: cp.ndarray, out: cp.ndarray) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.formats.bf16 import bf16_bits_to_float32
-from tinyvllm.model.backend.constants import SAMPLE_THREADS, decode_thread_groups
+from tinyvllm.model.backend.constants import ARGMAX_PIECE, SAMPLE_THREADS, decode_thread_groups
 from tinyvllm.model.gemm import gemm_numpy as gemm  # noqa: F401  (part of the backend's interface)
 from tinyvllm.model.step_plan import BLOCK_SIZE
 
@@ -149,7 +149,17 @@ def swiglu(gate_up: np.ndarray, act: np.ndarray) -> None:
 
 
 def argmax(logits: np.ndarray, out: np.ndarray) -> None:
-    out[...] = np.argmax(logits, axis=-1)
+    """kernels/argmax.cu's two passes: every row cut into pieces of ARGMAX_PIECE entries (the last one padded with
+    -inf, which never wins over a real entry), each piece's first maximum, then the first piece that holds the row's.
+    NumPy's argmax in both passes: the first index of the maximum, or of the first NaN, as the kernel's rule."""
+    rows, vocab = logits.shape
+    pieces = -(-vocab // ARGMAX_PIECE)
+    padded = np.full((rows, pieces * ARGMAX_PIECE), -np.inf, np.float32)
+    padded[:, :vocab] = logits
+    cut = padded.reshape(rows, pieces, ARGMAX_PIECE)
+    best = cut.argmax(axis=2)                                              # (rows, pieces): each piece's winner
+    piece = np.take_along_axis(cut, best[:, :, None], axis=2)[:, :, 0].argmax(axis=1)   # the winners' winner
+    out[...] = piece * ARGMAX_PIECE + best[np.arange(rows), piece]
 
 
 def sample_rows(logits: np.ndarray, inv_temperature: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:

@@ -1,9 +1,9 @@
 """A kernel workbench in llm.c's manner (its dev/cuda/*.cu): one kernel of tinyvllm/model/kernels at a time,
 compiled with the constants you give it, checked against its NumPy twin, and timed.
 
-    python bench/kernels.py --list
-    python bench/kernels.py gemv --define GEMV_LOADS=8 --shapes 1x2056x1000x0 8x8200x2051x0 --repeat 50
-    python bench/kernels.py all                       # every kernel on its default shapes
+    python bench/kernel_bench.py --list
+    python bench/kernel_bench.py gemv --define GEMV_LOADS=8 --shapes 1x2056x1000x0 8x8200x2051x0 --repeat 50
+    python bench/kernel_bench.py all                       # every kernel on its default shapes
 
 --define NAME=value replaces one of the constants tinyvllm/model/backend/constants.py hands the kernels through -D
 (KERNEL_CONSTANTS); the values derived from others (GEMV_THREADS, PREFILL_THREADS) follow unless given too. They are
@@ -429,9 +429,10 @@ def store_kv(ops: ModuleType, twin: ModuleType, rng: np.random.Generator, T: int
                 T * 4 * kv_heads * head_dim * 2)
 
 
-@kernel("argmax", "rows vocab", (3, 49152), (2, 128256), (4, 1))
+@kernel("argmax", "rows vocab", (3, 49152), (1, 128256), (64, 128256), (4, 1))
 def argmax(ops: ModuleType, twin: ModuleType, rng: np.random.Generator, rows: int, vocab: int) -> Case:
-    """out[r] = argmax(logits[r]), the first index on ties as NumPy's; one block of ARGMAX_THREADS per row"""
+    """out[r] = argmax(logits[r]), the first index on ties as NumPy's; a block of ARGMAX_THREADS per ARGMAX_PIECE
+    entries of a row, then one per row over the pieces' winners"""
     logits = rng.standard_normal((rows, vocab), dtype=np.float32)
     if vocab > 10:  # a tie: the first index must win
         logits[:, vocab // 2] = logits[:, vocab - 1] = logits.max(axis=1) + 1
@@ -491,7 +492,7 @@ def chunk_attention(ops: ModuleType, twin: ModuleType, rng: np.random.Generator,
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own mistakes: one line and exit 2, as ours (as tinyvllm's CLI)
-        raise TinyVLLMError(f"{message} (see python bench/kernels.py --help)")
+        raise TinyVLLMError(f"{message} (see python bench/kernel_bench.py --help)")
 
 
 def whole(text: str) -> int:
@@ -507,7 +508,7 @@ def positive(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(prog="bench/kernels.py", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="bench/kernel_bench.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help="kernels to run (--list names them), or all")
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="compile and launch with another value of a -D constant (backend/constants.py)")
@@ -520,12 +521,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def chosen(names: list[str]) -> list[str]:
     if not names:
-        raise TinyVLLMError("name a kernel, or all (python bench/kernels.py --list names them)")
+        raise TinyVLLMError("name a kernel, or all (python bench/kernel_bench.py --list names them)")
     if "all" in names:
         return list(KERNELS)
     for name in names:
         if name not in KERNELS:
-            raise TinyVLLMError(f"unknown kernel {name!r}: bench/kernels.py knows {', '.join(KERNELS)}, or all")
+            raise TinyVLLMError(f"unknown kernel {name!r}: bench/kernel_bench.py knows {', '.join(KERNELS)}, or all")
     return names
 
 
@@ -629,7 +630,7 @@ def workbench(args: argparse.Namespace) -> int:
     shapes = {name: parse_shapes(name, args.shapes) if args.shapes else list(KERNELS[name].shapes) for name in names}
     from tinyvllm.model.backend import cuda_available
     if not cuda_available():
-        raise TinyVLLMError("bench/kernels.py runs CUDA kernels: it needs CuPy and an NVIDIA GPU "
+        raise TinyVLLMError("bench/kernel_bench.py runs CUDA kernels: it needs CuPy and an NVIDIA GPU "
                             "(pip install -e '.[gpu]'), and finds none here")
     changed = set_constants(defines)  # before cuda_ops and numpy_ops are imported
     ops = importlib.import_module("tinyvllm.model.backend.cuda_ops")
