@@ -10,6 +10,8 @@ temperature 0.6, every request generating exactly its output length (ignore_eos)
     completion one after another, continuous refills a finished request's slot at once;
   - batch-1 decode with CUDA graphs: ms per token (time per output token) against the floor,
     weight bytes / copy bandwidth measured in the same run;
+  - the workload and batch-1 decode again with async scheduling off (the step serialized) and in the
+    batch-invariant mode (chapter 7), each as a ratio to the default;
   - transformers (bf16, sdpa): its continuous batching (a manager fed one request at a time, each with
     its own max_new_tokens) and `generate` in padded batches of 64 (each batch runs to its longest
     request; only the tokens the workload asks for are counted).
@@ -123,18 +125,19 @@ def hf_padded(hf, prompts, outputs, batch: int = 64) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
-def batch_invariant_cost(model_dir: Path, prompts, outputs, rows: dict, runs: int) -> dict:
-    """The same workload and batch-1 decode with LLM(batch_invariant=True): what the mode costs (chapter 7)."""
+def mode_cost(label: str, model_dir: Path, prompts, outputs, rows: dict, runs: int, **settings) -> dict:
+    """The same workload and batch-1 decode with LLM(**settings), beside the default's rows: what a mode costs or
+    saves (batch_invariant=True: chapter 7's invariance; async_scheduling=False: the step serialized, chapter 7)."""
     import cupy as cp
 
     from tinyvllm import LLM
-    llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.6, max_num_seqs=256, batch_invariant=True)
+    llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.6, max_num_seqs=256, **settings)
     run_tinyvllm(llm, [p[:16] for p in prompts], list(range(1, len(prompts) + 1)))   # warm-up, as the default's
     cost = repeated_runs(llm, prompts, outputs, runs)
     ms = batch1_ms_per_token(llm)
     cost.update(throughput_over_default=cost["tokens_per_s"] / rows["tinyvllm"]["tokens_per_s"],
                 batch1_ms_per_token=ms, batch1_over_default=ms / rows["batch1_graphs"]["ms_per_token"])
-    print(f"batch-invariant mode: {cost['tokens_per_s']:,.0f} tok/s (median of {runs}: "
+    print(f"{label}: {cost['tokens_per_s']:,.0f} tok/s (median of {runs}: "
           f"{min(cost['runs_tokens_per_s']):,.0f}-{max(cost['runs_tokens_per_s']):,.0f}; "
           f"{cost['throughput_over_default']:.2f} of the default), batch-1 decode {ms:.3f} ms/token "
           f"({cost['batch1_over_default']:.2f}x the default)")
@@ -176,8 +179,8 @@ def main() -> None:
         print(f"tinyvllm on the old NumPy draw (greedy): {tokens} tokens, {tokens / seconds:,.0f} tok/s")
     small = LLM(str(model_dir), device="cuda", num_blocks=llm.engine.pool.num_blocks // 4, max_num_seqs=64)
     run_tinyvllm(small, [p[:16] for p in prompts[:64]], list(range(1, 65)))
-    for name, fn in [("continuous_64", lambda: run_tinyvllm(small, prompts, outputs)),
-                     ("static_64", lambda: run_static(small, prompts, outputs, 64))]:
+    for name, fn in [("continuous_64", lambda s=small: run_tinyvllm(s, prompts, outputs)),
+                     ("static_64", lambda s=small: run_static(s, prompts, outputs, 64))]:
         seconds, tokens = fn()
         rows[name] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
         print(f"tinyvllm {name}: {tokens / seconds:,.0f} tok/s ({seconds:.2f} s)")
@@ -188,7 +191,10 @@ def main() -> None:
     del llm, small
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
-    invariant = None if args.skip_batch_invariant else batch_invariant_cost(model_dir, prompts, outputs, rows, args.runs)
+    serialized = mode_cost("async scheduling off", model_dir, prompts, outputs, rows, args.runs,
+                           async_scheduling=False)
+    invariant = None if args.skip_batch_invariant else mode_cost("batch-invariant mode", model_dir, prompts, outputs,
+                                                                 rows, args.runs, batch_invariant=True)
 
     if not args.skip_transformers:
         import torch
@@ -213,7 +219,8 @@ def main() -> None:
                            "prompt_len": [100, 1024], "output_len": [100, 1024], "temperature": TEMPERATURE,
                            "ignore_eos": True, "total_prompt_tokens": sum(map(len, prompts)),
                            "total_output_tokens": int(sum(outputs))},
-              "copy_bandwidth_gb_s": bandwidth / 1e9, "results": rows, "batch_invariant": invariant}
+              "copy_bandwidth_gb_s": bandwidth / 1e9, "results": rows, "async_scheduling_off": serialized,
+              "batch_invariant": invariant}
     write_result("throughput", result)
 
 

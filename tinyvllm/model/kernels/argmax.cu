@@ -6,7 +6,7 @@
 //   argmax_merge   grid (rows), block ARGMAX_THREADS: the best of the row's pieces.
 // Layout: logits fp32 (rows, vocab), `stride` floats between rows; piece_val fp32 and piece_idx int32 (rows, pieces);
 // out int32 (rows,).
-#ifndef ARGMAX_THREADS
+#if !defined(ARGMAX_THREADS) || !defined(ARGMAX_PIECE)
 #error "ARGMAX_THREADS and ARGMAX_PIECE come from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
 #include "common.cuh"
@@ -47,10 +47,10 @@ __device__ __forceinline__ void block_argmax(float& v, int& i) {
 
 extern "C" __global__ void argmax_pieces(const float* logits, int stride, int vocab, float* piece_val, int* piece_idx) {
     const float* row = logits + (long long)blockIdx.y * stride;
-    int end = min(vocab, (blockIdx.x + 1) * ARGMAX_PIECE);
+    int end = min(vocab, (int)(blockIdx.x + 1) * ARGMAX_PIECE);
     float v = -INFINITY;
     int idx = 0x7fffffff;  // loses to any entry, so an all -inf row still answers its first index, as NumPy
-    for (int c = blockIdx.x * ARGMAX_PIECE + threadIdx.x; c < end; c += blockDim.x)
+    for (int c = (int)(blockIdx.x * ARGMAX_PIECE + threadIdx.x); c < end; c += blockDim.x)
         if (wins(row[c], c, v, idx)) v = row[c], idx = c;
     block_argmax(v, idx);
     int piece = blockIdx.y * gridDim.x + blockIdx.x;
@@ -60,7 +60,7 @@ extern "C" __global__ void argmax_pieces(const float* logits, int stride, int vo
 extern "C" __global__ void argmax_merge(const float* piece_val, const int* piece_idx, int pieces, int* out) {
     float v = -INFINITY;
     int idx = 0x7fffffff;
-    for (int p = blockIdx.x * pieces + threadIdx.x; p < (blockIdx.x + 1) * pieces; p += blockDim.x)
+    for (int p = (int)(blockIdx.x * pieces + threadIdx.x); p < (int)(blockIdx.x + 1) * pieces; p += blockDim.x)
         if (wins(piece_val[p], piece_idx[p], v, idx)) v = piece_val[p], idx = piece_idx[p];
     block_argmax(v, idx);
     if (threadIdx.x == 0) out[blockIdx.x] = idx;
