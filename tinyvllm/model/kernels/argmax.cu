@@ -6,8 +6,11 @@
 //   argmax_merge   grid (rows), block ARGMAX_THREADS: the best of the row's pieces.
 // Layout: logits fp32 (rows, vocab), `stride` floats between rows; piece_val fp32 and piece_idx int32 (rows, pieces);
 // out int32 (rows,).
-#if !defined(ARGMAX_THREADS) || !defined(ARGMAX_PIECE)
-#error "ARGMAX_THREADS and ARGMAX_PIECE come from Python (tinyvllm/model/backend/constants.py) through -D"
+#ifndef ARGMAX_THREADS
+#error "ARGMAX_THREADS comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
+#ifndef ARGMAX_PIECE
+#error "ARGMAX_PIECE comes from Python (tinyvllm/model/backend/constants.py) through -D"
 #endif
 #include "common.cuh"
 
