@@ -182,23 +182,6 @@ def gemv(ops: ModuleType, twin: ModuleType, rng: np.random.Generator, T: int, K:
     return Case(lambda: ops.gemv(x, w, out), check, x.nbytes + w.nbytes + out.nbytes)
 
 
-@kernel("gemv_mma", "T K N f32", (1, 2080, 3001, 0), (8, 2080, 16389, 0), (64, 8224, 2051, 0), (9, 2080, 128257, 1),
-        (5, 576, 1003, 1))
-def gemv_mma(ops: ModuleType, twin: ModuleType, rng: np.random.Generator, T: int, K: int, N: int, f32: int) -> Case:
-    """out (T, N) = x @ W^T on tensor cores, T <= 64, K % 32 == 0, out a column slice; f32 1: fp32 out (the logits)"""
-    x32, x = bf16_pair(rng, (T, K))
-    w32, w = bf16_pair(rng, (N, K), scale=K ** -0.5)
-    wide = poisoned((T, N + 16), f32)
-    out = wide[:, 8:8 + N]
-
-    def check() -> str:
-        got, expected = host(wide), np.full((T, N), np.nan, np.float32)
-        outside_untouched(got, N)
-        twin.gemv_mma(x32, w32, expected)
-        return f"rel err {close(got[:, 8:8 + N], expected, 1e-5 if f32 else 1e-2):.1e}"
-    return Case(lambda: ops.gemv_mma(x, w, out), check, x.nbytes + w.nbytes + out.nbytes)
-
-
 @kernel("gemm_invariant", "T K N f32", (13, 2080, 1000, 0), (37, 576, 1003, 1), (300, 2080, 3000, 0))
 def gemm_invariant(ops: ModuleType, twin: ModuleType, rng: np.random.Generator, T: int, K: int, N: int,
                    f32: int) -> Case:

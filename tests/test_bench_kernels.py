@@ -18,8 +18,6 @@ from tinyvllm.model.backend.constants import (
     DECODE_HEAD_DIMS,
     GEMV_MAX_ROWS,
     INVARIANT_CHUNK,
-    MMA_GEMV_MAX_TILES,
-    MMA_K,
     PREFILL_HEAD_DIMS,
     norm_gemv_smem,
     prefill_smem,
@@ -86,8 +84,6 @@ def test_default_shapes_keep_the_layout_rules():
                 assert s["K"] % 8 == 0 and s["K"] & (s["K"] - 1), (name, shape)
             if name == "gemm_invariant":   # whole chunks of k
                 assert s["K"] % INVARIANT_CHUNK == 0, (name, shape)
-            elif name == "gemv_mma":   # whole chunks of k, up to 8 tiles of 8 rows
-                assert s["K"] % MMA_K == 0 and 1 <= s["T"] <= 8 * MMA_GEMV_MAX_TILES, (name, shape)
             elif "K" in s:
                 assert 1 <= s["T"] <= GEMV_MAX_ROWS, (name, shape)
             if "head_dim" in s:

@@ -201,7 +201,7 @@ def test_the_guarded_kernels():
     """The files whose code uses a constant from Python (the rest read their launch shape from blockDim)."""
     assert {name for name, needs in GUARDED.items() if needs} == {
         "argmax", "decode_attention", "paged_attention", "prefill_attention", "gemv", "store_kv", "fused_decode", "swiglu",
-        "rms_norm", "gemm_invariant", "sample_rows", "decode_persistent", "gemv_mma"}
+        "rms_norm", "gemm_invariant", "sample_rows", "decode_persistent"}
     assert GUARDED["paged_attention"] >= {"BLOCK_SIZE", "DECODE_THREADS", "BF16_PER_VECTOR"}
 
 

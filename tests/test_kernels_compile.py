@@ -27,8 +27,6 @@ INSTANCES = {  # (head_dim, query heads per K/V head): Llama 3.2 1B/3B, 3.1 8B, 
        for d in (32, 64, 128)],
     "gemv": [f"template __global__ void gemv<{n}, {f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, int, "
              f"int);\n" for n in range(1, 9) for f in ("true", "false")],
-    "gemv_mma": [f"template __global__ void gemv_mma<{n}, {f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, "
-                 f"int, int, int);\n" for n in range(1, 9) for f in ("true", "false")],
     "gemm_invariant": [f"template __global__ void gemm_invariant<{t.warps_m}, {t.warps_n}, {t.tm}, {t.tn}, {t.bk}, "
                        f"{t.row_stride}, {t.stages}, {f}>(const __nv_bfloat16*, const __nv_bfloat16*, void*, int, int, "
                        f"int, int);\n" for _, t in INVARIANT_GEMM_TILES for f in ("true", "false")],

@@ -49,13 +49,6 @@ GEMV_COLUMNS_PER_BLOCK = 8  # one output column per warp
 GEMV_THREADS = 32 * GEMV_COLUMNS_PER_BLOCK  # one warp per output column
 GEMV_LOADS = 4  # 16-byte weight loads a lane issues before using any (chapter 8): 4 beat 8 and 16 on an H200
 
-# gemv on tensor cores (chapter 8, kernels/gemv_mma.cu): decode steps of GEMV_DECODE_ROWS + 1 to MMA_GEMV_ROWS rows
-MMA_GEMV_ROWS = 64  # ... go to it, more rows to cuBLAS
-MMA_GEMV_MAX_TILES = 8  # its templates: up to 8 tiles of 8 input rows (8 x 8 = 64 rows)
-MMA_GEMV_WARPS = 4  # warps per block, sharing 16 weight rows and splitting K
-MMA_GEMV_LOADS = 4  # 32-wide k chunks a warp loads before the first product (divided by the 8-row tiles: registers)
-MMA_K = 32  # k per chunk: two m16n8k16 products, one 16-byte load per lane and row (K must be a multiple)
-
 # The fused decode layer (chapter 8, kernels/fused_decode.cu): gemv with its neighbours folded in, up to
 # GEMV_MAX_ROWS rows. Its norm kernels start at most this many blocks per SM (also their __launch_bounds__ minimum,
 # which caps a thread's registers so that they fit) and each block walks many columns: the rows are normalized
@@ -166,10 +159,6 @@ KERNEL_CONSTANTS = {
     "GEMV_COLUMNS_PER_BLOCK": GEMV_COLUMNS_PER_BLOCK,
     "GEMV_THREADS": GEMV_THREADS,
     "GEMV_LOADS": GEMV_LOADS,
-    "MMA_GEMV_MAX_TILES": MMA_GEMV_MAX_TILES,
-    "MMA_GEMV_WARPS": MMA_GEMV_WARPS,
-    "MMA_GEMV_LOADS": MMA_GEMV_LOADS,
-    "MMA_K": MMA_K,
     "FUSED_BLOCKS_PER_SM": FUSED_BLOCKS_PER_SM,
     "INVARIANT_CHUNK": INVARIANT_CHUNK,
     "INSTRUCTION_WORDS": INSTRUCTION_WORDS,

@@ -25,10 +25,6 @@ from tinyvllm.model.backend.constants import (
     INSTRUCTION_WORDS,
     INVARIANT_CHUNK,
     MAX_SPLITS,
-    MMA_GEMV_MAX_TILES,
-    MMA_GEMV_ROWS,
-    MMA_GEMV_WARPS,
-    MMA_K,
     NORM_VECTOR,
     PERSISTENT_OPS,
     PREFILL_HEAD_DIMS,
@@ -66,15 +62,12 @@ def kernel(file: str, name: str) -> cp.RawKernel:
 
 
 def gemm(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
-    """out (T, N) = x (T, K) @ w (N, K)^T: for up to GEMV_DECODE_ROWS rows (decode at batch 1) the gemv kernel, which
-    streams the weights (chapter 5); up to MMA_GEMV_ROWS rows (decode at small batch) gemv on tensor cores (chapter
-    8); more rows (prefill, large batches) to cuBLAS (chapter 4)."""
+    """out (T, N) = x (T, K) @ w (N, K)^T: cuBLAS (chapter 4), or for up to GEMV_DECODE_ROWS rows (decode at
+    batch 1) the gemv kernel, which streams the weights (chapter 5)."""
     T, K = x.shape
-    if T <= GEMV_DECODE_ROWS and K % BF16_PER_VECTOR == 0:
-        return gemv(x, w, out)
-    if T <= MMA_GEMV_ROWS and K % MMA_K == 0:
-        return gemv_mma(x, w, out)
-    gemm_cublas(x, w, out)
+    if T > GEMV_DECODE_ROWS or K % BF16_PER_VECTOR:
+        return gemm_cublas(x, w, out)
+    gemv(x, w, out)
 
 
 def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
@@ -87,18 +80,6 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
     kernel("gemv", f"gemv<{T}, {'true' if f32 else 'false'}>")(
         (-(-N // GEMV_COLUMNS_PER_BLOCK),), (GEMV_THREADS,),
         (x, w, out, np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
-
-
-def gemv_mma(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
-    """gemm by kernels/gemv_mma.cu, up to 8 x MMA_GEMV_MAX_TILES rows: the weights streamed once through the tensor
-    cores, 16 weight rows a block."""
-    T, K = x.shape
-    N = w.shape[0]
-    assert T <= 8 * MMA_GEMV_MAX_TILES and K % MMA_K == 0, "gemv_mma: up to 8 x MMA_GEMV_MAX_TILES rows, K % 32 == 0"
-    assert x.strides == w.strides == (2 * K, 2) and out.strides[1] == out.itemsize and out.shape == (T, N)
-    kernel("gemv_mma", f"gemv_mma<{-(-T // 8)}, {'true' if out.dtype == np.float32 else 'false'}>")(
-        (-(-N // 16),), (MMA_GEMV_WARPS * 32,),
-        (x, w, out, np.int32(T), np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
 
 
 def gemm_invariant(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:

@@ -43,11 +43,6 @@ def gemv(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
     gemm(x, w, out)
 
 
-def gemv_mma(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    """kernels/gemv_mma.cu: gemm for up to 64 rows (the kernel streams the weights once through the tensor cores)."""
-    gemm(x, w, out)
-
-
 def free_cached_memory() -> None:
     """Nothing to do: NumPy gives an array's memory back as soon as its last reference goes."""
 
