@@ -50,34 +50,3 @@ def test_engine_with_graphs_equals_enforce_eager(gpu_model):  # noqa: F811
     same = np.mean([a == b for a, b in zip(sum(outs[True], []), sum(outs[False], []))])
     assert [len(o) for o in outs[True]] == [p.max_tokens for p in params]
     assert same >= 0.98, f"only {same:.3f} of the tokens agree"
-
-
-def test_gemv_launched_early_in_the_graph_gives_the_same_bits(gpu_model, monkeypatch):  # noqa: F811
-    """Chapter 8's early start (PDL): the batch-1 graph's gemv launched while the kernel before it runs gives the
-    bits of the same graph launched the usual way, step after step (a gemv reading its input before the kernel before
-    it wrote it would not); the early launches are counted, so a capture that never used them fails."""
-    import cupy as cp
-
-    from tinyvllm.engine.block_manager import BlockManager, plan_decode, plan_prefill
-    from tinyvllm.model.backend import cuda_ops
-    from tinyvllm.model.cuda_graphs import GraphedDecode
-    from tinyvllm.model.kv_pool import PagedKVPool
-    from tinyvllm.model.prefill import prefill_batch
-    _, model = gpu_model
-    if cuda_ops._compute_capability() < 90:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or later")
-    rng = np.random.default_rng(8)
-    prompt, tokens = rng.integers(0, model.cfg.vocab_size, 300).tolist(), rng.integers(0, 500, 6).tolist()
-    early = []
-    launch_early = cuda_ops.launch_early
-    monkeypatch.setattr(cuda_ops, "launch_early", lambda *a: (early.append(1), launch_early(*a)))
-    logits = {}
-    for on in (True, False):
-        monkeypatch.setattr(cuda_ops, "GEMV_EARLY_START", on)
-        pool, blocks = PagedKVPool(model.cfg, model.ops, num_blocks=40), BlockManager(40)
-        prefill_batch(model, pool, [plan_prefill(blocks, 0, prompt)])
-        graphed = GraphedDecode(model, pool, max_num_seqs=1, layer="unfused")
-        logits[on] = [cp.asnumpy(graphed(plan_decode(blocks, [0], [t]))) for t in tokens]
-    assert early, "no gemv was launched early"
-    for step, (a, b) in enumerate(zip(logits[True], logits[False])):
-        assert np.array_equal(a, b), f"step {step}: launched early, the logits differ"

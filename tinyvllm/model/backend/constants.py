@@ -48,7 +48,6 @@ GEMV_DECODE_ROWS = 1
 GEMV_COLUMNS_PER_BLOCK = 8  # one output column per warp
 GEMV_THREADS = 32 * GEMV_COLUMNS_PER_BLOCK  # one warp per output column
 GEMV_LOADS = 4  # 16-byte weight loads a lane issues before using any (chapter 8): 4 beat 8 and 16 on an H200
-GEMV_EARLY_START = True  # in a CUDA graph, launch gemv early (chapter 8, PDL; Hopper and later): weights into L2
 
 # The fused decode layer (chapter 8, kernels/fused_decode.cu): gemv with its neighbours folded in, up to
 # GEMV_MAX_ROWS rows. Its norm kernels start at most this many blocks per SM (also their __launch_bounds__ minimum,

@@ -5,7 +5,6 @@ as __nv_bfloat16. Each kernel file is compiled once per process by NVRTC (cupy.R
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from tinyvllm.model.backend.constants import (
     DECODE_HEAD_DIMS,
     DECODE_THREADS,
     FUSED_BLOCKS_PER_SM,
-    GEMV_EARLY_START,
     GEMV_COLUMNS_PER_BLOCK,
     GEMV_DECODE_ROWS,
     GEMV_MAX_ROWS,
@@ -79,62 +77,9 @@ def gemv(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:
     assert x.strides == w.strides == (2 * K, 2) and out.strides[1] == out.itemsize and out.shape == (T, w.shape[0])
     f32 = out.dtype == np.float32
     N = w.shape[0]
-    launch = launch_early if GEMV_EARLY_START and early_start_here() else launch_usual
-    launch(kernel("gemv", f"gemv<{T}, {'true' if f32 else 'false'}>"), (-(-N // GEMV_COLUMNS_PER_BLOCK),),
-           (GEMV_THREADS,), (x, w, out, np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
-
-
-# ---- chapter 8: programmatic dependent launch (PDL), for the gemv of a captured decode step
-
-class _LaunchAttribute(ctypes.Structure):   # cuda.h's CUlaunchAttribute: an id, then a 64-byte value
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
-
-
-class _LaunchConfig(ctypes.Structure):      # cuda.h's CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
-                ("num_attrs", ctypes.c_uint)]
-
-
-PROGRAMMATIC_STREAM_SERIALIZATION = 6   # cuda.h's CUlaunchAttributeID
-_C_TYPES = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.float32: ctypes.c_float}
-
-
-def launch_usual(fn: cp.RawKernel, grid: tuple, block: tuple, args: tuple) -> None:
-    fn(grid, block, args)
-
-
-def launch_early(fn: cp.RawKernel, grid: tuple, block: tuple, args: tuple) -> None:
-    """fn's launch with programmatic stream serialization (cuLaunchKernelEx): its blocks may start as soon as every
-    block of the kernel before it has called let_next_kernel_start (common.cuh), and wait_for_previous_kernel in fn
-    waits for that kernel to finish. A CUDA graph captures the launch with its early start."""
-    attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=(1).to_bytes(4, "little"))   # allowed = 1
-    config = _LaunchConfig(_dim3(grid), _dim3(block), 0, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
-    values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cp.ndarray) else _C_TYPES[type(a)](a) for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    status = _libcuda().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(fn.kernel.ptr), params, None)
-    if status:
-        raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {status}")
-
-
-def _dim3(dims: tuple) -> ctypes.Array:
-    return (ctypes.c_uint * 3)(*dims, *(1,) * (3 - len(dims)))
-
-
-def early_start_here() -> bool:
-    """Launch early only into a CUDA graph being captured (its launches are recorded once; an eager step keeps
-    CuPy's cheaper launch from Python) and on a GPU that has PDL (compute capability 9.0, Hopper, or later)."""
-    return cp.cuda.get_current_stream().is_capturing() and _compute_capability() >= 90
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability() -> int:
-    return int(cp.cuda.Device().compute_capability)
-
-
-@functools.lru_cache(maxsize=None)
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
+    kernel("gemv", f"gemv<{T}, {'true' if f32 else 'false'}>")(
+        (-(-N // GEMV_COLUMNS_PER_BLOCK),), (GEMV_THREADS,),
+        (x, w, out, np.int32(K), np.int32(N), np.int32(out.strides[0] // out.itemsize)))
 
 
 def gemm_invariant(x: cp.ndarray, w: cp.ndarray, out: cp.ndarray) -> None:

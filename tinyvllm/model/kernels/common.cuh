@@ -72,19 +72,3 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& raw, float* out) {
         out[2 * i + 1] = f.y;
     }
 }
-
-// Chapter 8 — programmatic dependent launch (PDL). A kernel launched with it (cuda_ops.launch_early) may start while
-// the kernel before it on the stream still runs: once every block of that kernel has called let_next_kernel_start.
-// It must call wait_for_previous_kernel before it reads what that kernel writes (or writes anything). In a kernel
-// launched the usual way both are no-ops; before Hopper (sm_90) they compile to nothing.
-__device__ __forceinline__ void let_next_kernel_start() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#endif
-}
-
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}

@@ -163,7 +163,6 @@ __device__ __forceinline__ void merge_one(const float* __restrict__ p, int split
 template <int HEAD_DIM>
 __global__ void merge_splits(const float* __restrict__ partial, int splits, const int* __restrict__ lengths,
                              int split_tokens, __nv_bfloat16* __restrict__ out, int out_stride) {
-    let_next_kernel_start();  // the output projection may start loading its weights (chapter 8, PDL)
     const int h = blockIdx.x, b = blockIdx.y;
     merge_one<HEAD_DIM>(partial + ((long long)b * gridDim.x + h) * splits * (HEAD_DIM + 2), splits, lengths[b],
                         split_tokens, out + (long long)b * out_stride + h * HEAD_DIM, threadIdx.x);

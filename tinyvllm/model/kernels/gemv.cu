@@ -4,8 +4,7 @@
 // bandwidth. cuBLAS's GEMM kernels are tiled for large n; here each warp streams one weight row with
 // 16-byte loads, multiplies it with the n input rows (tiny, and hot in L1/L2), and reduces with shuffles.
 // Launch: grid (ceil(N / GEMV_COLUMNS_PER_BLOCK)), block (GEMV_THREADS): GEMV_COLUMNS_PER_BLOCK warps, one
-//   output column j = weight row j each (gemv.cuh); instantiated per (NB = n rows, F32_OUT). In a CUDA graph it is
-//   launched early (cuda_ops.launch_early): its weight rows stream into L2 while the kernel before it finishes.
+//   output column j = weight row j each (gemv.cuh); instantiated per (NB = n rows, F32_OUT).
 // Layout: x bf16 (n, K) row-major; W bf16 (N, K) row-major (the checkpoint's layout, no transpose);
 //   out (n, out_stride) bf16 or fp32 (F32_OUT), column j of row b at b * out_stride + j; K % 8 == 0.
 #ifndef GEMV_MAX_ROWS
@@ -25,16 +24,9 @@ template <int NB, bool F32_OUT>
 __global__ void __launch_bounds__(GEMV_THREADS) gemv(const __nv_bfloat16* x, const __nv_bfloat16* w, void* out, int K,
                                                      int N, int out_stride) {
     static_assert(NB >= 1 && NB <= GEMV_MAX_ROWS, "gemm sends more rows to cuBLAS");
-    let_next_kernel_start();
     const int j = blockIdx.x * GEMV_COLUMNS_PER_BLOCK + threadIdx.x / 32;
     if (j >= N) return;  // the whole warp leaves together
-    const __nv_bfloat16* row = w + (long long)j * K;
-    // Launched early (chapter 8, PDL), the warp asks L2 for its weight row while the kernel before still runs:
-    // the weights never depend on it, x does (128-byte lines, 64 bf16 each)
-    for (int k = threadIdx.x % 32 * 64; k < K; k += 32 * 64)
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + k));
-    wait_for_previous_kernel();
     float acc[NB] = {};
-    gemv_sums<NB>(x, row, K, NB, acc);
+    gemv_sums<NB>(x, w + (long long)j * K, K, NB, acc);
     gemv_store<NB, F32_OUT>(acc, out, NB, out_stride, j);
 }

@@ -42,7 +42,6 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 paged_attention(const __nv_bfloat16* qkv, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
                 const int* block_tables, int max_blocks, const int* lengths, __nv_bfloat16* out, int num_kv_heads,
                 int qkv_stride, int out_stride, float scale, float* partial, int split_tokens) {
-    let_next_kernel_start();  // the output projection may start loading its weights (chapter 8, PDL)
     paged_attention_item<HEAD_DIM, GROUP>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z, qkv, k_cache, v_cache,
                                           block_tables, max_blocks, lengths, out, num_kv_heads, qkv_stride,
                                           out_stride, scale, partial, split_tokens);

@@ -10,7 +10,6 @@
 #endif
 
 extern "C" __global__ void swiglu(const __nv_bfloat16* gate_up, __nv_bfloat16* act, int tokens, int inter) {
-    let_next_kernel_start();  // the down projection may start loading its weights (chapter 8, PDL)
     long long idx = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * BF16_PER_VECTOR;  // first of its outputs
     if (idx >= (long long)tokens * inter) return;
     if (inter % BF16_PER_VECTOR) {  // rows not whole vectors (no model we know): one element at a time
