@@ -68,9 +68,11 @@ def run(llm: LLM, prompts, params) -> list[tuple]:
     return [(s.output_ids, s.finish_reason, s.preemptions) for s in seqs]
 
 
+# the small pool: 8 blocks of 16 for 12 prompts of up to 99 tokens. With 14, a run ahead once never preempted (seed
+# 2112761724); with 8, both runs preempted for each of 61 seeds tried
 @pytest.mark.parametrize("settings", [
     {},                                                     # room for everyone: decodes and admissions
-    {"num_blocks": 14, "max_num_batched_tokens": 32},       # a small pool (preemption) and chunked prompts
+    {"num_blocks": 8, "max_num_batched_tokens": 32},        # a small pool (preemption) and chunked prompts
     {"num_blocks": 40, "enable_prefix_caching": True},      # a shared system prompt found in the cache
 ])
 def test_running_ahead_gives_the_tokens_of_one_step_at_a_time(tiny_model_dir, rng, settings):
