@@ -11,6 +11,8 @@ fixture (the seed is printed with any failure).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tinyvllm import LLM, SamplingParams
@@ -68,8 +70,8 @@ def run(llm: LLM, prompts, params) -> list[tuple]:
     return [(s.output_ids, s.finish_reason, s.preemptions) for s in seqs]
 
 
-# the small pool: 8 blocks of 16 for 12 prompts of up to 99 tokens. With 14, a run ahead once never preempted (seed
-# 2112761724); with 8, both runs preempted for each of 61 seeds tried
+# the small pool: 8 blocks of 16 for 12 prompts of 3 to 59 tokens, a third of them asking for 40 tokens without stop
+# tokens, so that sequences outgrow the pool (random lengths alone once gave a run without preemption)
 @pytest.mark.parametrize("settings", [
     {},                                                     # room for everyone: decodes and admissions
     {"num_blocks": 8, "max_num_batched_tokens": 32},        # a small pool (preemption) and chunked prompts
@@ -79,6 +81,8 @@ def test_running_ahead_gives_the_tokens_of_one_step_at_a_time(tiny_model_dir, rn
     prompts = random_prompts(rng, 12, shared=2 * BLOCK_SIZE if settings.get("enable_prefix_caching") else 0)
     one_at_a_time, ahead = make_llm(tiny_model_dir, False, **settings), make_llm(tiny_model_dir, True, **settings)
     params = plain_params(rng, 12, ahead.model_config.vocab_size)
+    if "num_blocks" in settings and settings["num_blocks"] < 20:
+        params[::3] = [replace(p, max_tokens=40, stop_token_ids=[]) for p in params[::3]]
     want, got = run(one_at_a_time, prompts, params), run(ahead, prompts, params)
     assert [w[:2] for w in want] == [g[:2] for g in got]
     assert one_at_a_time.fed == 0 and ahead.fed > ahead.engine.steps // 2, \
