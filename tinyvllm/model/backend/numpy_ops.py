@@ -149,14 +149,16 @@ def swiglu(gate_up: np.ndarray, act: np.ndarray) -> None:
 
 
 def argmax(logits: np.ndarray, out: np.ndarray) -> None:
-    """kernels/argmax.cu's two passes: every row cut into pieces of ARGMAX_PIECE entries (the last one padded with
-    -inf, which never wins over a real entry), each piece's first maximum, then the first piece that holds the row's.
-    NumPy's argmax in both passes: the first index of the maximum, or of the first NaN, as the kernel's rule."""
+    """kernels/argmax.cu's two passes: every row cut into pieces of ARGMAX_PIECE entries, each piece's first maximum,
+    then the first piece that holds the row's. NumPy's argmax in both passes: the first index of the maximum, or of
+    the first NaN, as the kernel's rule."""
     rows, vocab = logits.shape
     pieces = -(-vocab // ARGMAX_PIECE)
-    padded = np.full((rows, pieces * ARGMAX_PIECE), -np.inf, np.float32)
-    padded[:, :vocab] = logits
-    cut = padded.reshape(rows, pieces, ARGMAX_PIECE)
+    if vocab % ARGMAX_PIECE:   # a short last piece: padded with -inf, which never wins over a real entry
+        padded = np.full((rows, pieces * ARGMAX_PIECE), -np.inf, np.float32)
+        padded[:, :vocab] = logits
+        logits = padded
+    cut = np.ascontiguousarray(logits).reshape(rows, pieces, ARGMAX_PIECE)   # a view when the rows are whole
     best = cut.argmax(axis=2)                                              # (rows, pieces): each piece's winner
     piece = np.take_along_axis(cut, best[:, :, None], axis=2)[:, :, 0].argmax(axis=1)   # the winners' winner
     out[...] = piece * ARGMAX_PIECE + best[np.arange(rows), piece]
