@@ -8,9 +8,9 @@
 //   - a thread holds BF16_PER_VECTOR bf16 (16 bytes, one vector load) of a row; TPK = HEAD_DIM / BF16_PER_VECTOR
 //     threads hold a whole key row, and the GROUPS = DECODE_THREADS / TPK thread groups of the block work on
 //     different keys;
-//   - the context is cut into one contiguous chunk per thread group; each group walks its chunk
-//     UNROLL keys at a time (all their loads issued before any is used), keeping an online softmax:
-//     running max m, running sum l and running output acc, per query head;
+//   - the context is cut into one contiguous chunk per thread group; each group walks its chunk in tiles of
+//     DECODE_UNROLL keys (all their loads issued before any is used), keeping an online softmax: running max m,
+//     running sum l and running output acc, per query head, rescaled once per tile, not once per key;
 //   - at the end the groups merge through shared memory: rescale each group by exp(m_g - M), sum.
 // With few sequences (batch 1: 8 blocks for 132 SMs) the paged kernel also splits the context between
 // blocks (chapter 7); each block then covers keys [begin, end) and writes its unnormalized output,
@@ -30,7 +30,9 @@
 #endif
 
 static_assert(BF16_PER_VECTOR == 8, "a thread's slice of a row is one uint4: 8 bf16");
-constexpr int DECODE_UNROLL = 4;  // keys per group per iteration, their loads all issued first (kernel-only)
+#ifndef DECODE_UNROLL
+#error "DECODE_UNROLL comes from Python (tinyvllm/model/backend/constants.py) through -D"
+#endif
 
 // q: the GROUP query heads of this K/V head (GROUP * HEAD_DIM bf16, contiguous); out: same shape.
 // k_cache/v_cache: (slots, num_kv_heads, HEAD_DIM), already offset to this block's K/V head.
@@ -73,27 +75,48 @@ __device__ void decode_attention_block(const __nv_bfloat16* q, const __nv_bfloat
             k_raw[u] = *reinterpret_cast<const uint4*>(k_cache + row);
             v_raw[u] = *reinterpret_cast<const uint4*>(v_cache + row);
         }
+        // the tile's scores first, then one max and one rescale per head for the whole tile (not one per key)
+        float s[DECODE_UNROLL][GROUP];
         #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {
-            float k[8], v[8];
+            float k[8];
             bf16x8_to_float(k_raw[u], k);
-            bf16x8_to_float(v_raw[u], v);
-            bool valid = base + u < group_end;
             #pragma unroll
             for (int h = 0; h < GROUP; ++h) {
-                float s = 0.0f;
+                float dot = 0.0f;
                 #pragma unroll
-                for (int i = 0; i < 8; ++i) s += qf[h][i] * k[i];
+                for (int i = 0; i < 8; ++i) dot += qf[h][i] * k[i];
                 #pragma unroll
-                for (int offset = TPK / 2; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
-                if (valid) {
-                    float m_new = fmaxf(m[h], s);
-                    float alpha = exp2f(m[h] - m_new), p = exp2f(s - m_new);  // alpha = 0 on the first key
-                    l[h] = l[h] * alpha + p;
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[h][i] = acc[h][i] * alpha + p * v[i];
-                    m[h] = m_new;
+                for (int offset = TPK / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, offset);
+                s[u][h] = dot;
+            }
+        }
+        const int valid = group_end - base;  // keys of the tile in this group's chunk: <= 0 past its end
+        if (valid > 0) {
+            #pragma unroll
+            for (int h = 0; h < GROUP; ++h) {
+                float m_new = m[h];
+                #pragma unroll
+                for (int u = 0; u < DECODE_UNROLL; ++u) if (u < valid) m_new = fmaxf(m_new, s[u][h]);
+                const float alpha = exp2f(m[h] - m_new);  // 0 on the first tile (m = -inf)
+                l[h] *= alpha;
+                #pragma unroll
+                for (int u = 0; u < DECODE_UNROLL; ++u) {  // s becomes the tile's weights p
+                    s[u][h] = u < valid ? exp2f(s[u][h] - m_new) : 0.0f;
+                    l[h] += s[u][h];
                 }
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) acc[h][i] *= alpha;
+                m[h] = m_new;
+            }
+            #pragma unroll
+            for (int u = 0; u < DECODE_UNROLL; ++u) {
+                float v[8];
+                bf16x8_to_float(v_raw[u], v);
+                #pragma unroll
+                for (int h = 0; h < GROUP; ++h)
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[h][i] += s[u][h] * v[i];
             }
         }
     }
@@ -103,19 +126,20 @@ __device__ void decode_attention_block(const __nv_bfloat16* q, const __nv_bfloat
     __shared__ float group_m[GROUPS], group_l[GROUPS];
     #pragma unroll
     for (int h = 0; h < GROUP; ++h) {
-        if (lane == 0) { group_m[group] = m[h]; group_l[group] = l[h]; }
+        if (lane == 0) group_m[group] = m[h];
         __syncthreads();
         float max_all = -INFINITY;
         for (int g = 0; g < GROUPS; ++g) max_all = fmaxf(max_all, group_m[g]);  // finite: end > begin
         float mine = exp2f(m[h] - max_all);                                     // 0 for an empty chunk
         #pragma unroll
         for (int i = 0; i < 8; ++i) part[group][lane * 8 + i] = acc[h][i] * mine;
+        if (lane == 0) group_l[group] = l[h] * mine;  // each group rescales its own sum: one exp2f, not GROUPS
         __syncthreads();
         if (threadIdx.x < HEAD_DIM) {
             float sum = 0.0f, denom = 0.0f;
             for (int g = 0; g < GROUPS; ++g) {
                 sum += part[g][threadIdx.x];
-                denom += group_l[g] * exp2f(group_m[g] - max_all);
+                denom += group_l[g];
             }
             if (partial) {
                 partial[h * partial_stride + threadIdx.x] = sum;
