@@ -49,7 +49,9 @@ GEMV_MAX_ROWS = 8  # the most rows gemv and the fused kernels take (their templa
 GEMV_DECODE_ROWS = 1
 GEMV_COLUMNS_PER_BLOCK = 8  # one output column per warp
 GEMV_THREADS = 32 * GEMV_COLUMNS_PER_BLOCK  # one warp per output column
-GEMV_LOADS = 4  # 16-byte weight loads a lane issues before using any (chapter 8): 4 beat 8 and 16 on an H200
+GEMV_LOADS = 2  # 16-byte weight loads a lane issues before using any (chapter 8). The batch-1 step on an H200, both in
+# one process (bench/step_constants.py, step_constants-20261204-190300.json): 1.182 ms with 2, 1.227 with 4; 8 and 16
+# were slower than 4 (chapter 8). The sums do not depend on it: gemv.cuh uses the loads in the order of k
 
 # The fused decode layer (chapter 8, kernels/fused_decode.cu): gemv with its neighbours folded in, up to
 # GEMV_MAX_ROWS rows. Its norm kernels start at most this many blocks per SM (also their __launch_bounds__ minimum,
