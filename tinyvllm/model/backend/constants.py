@@ -36,7 +36,8 @@ PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # prefill_attention.cu instantiates one k
 # Decode attention (chapters 5-7): one block per (sequence, K/V head), its threads in groups of one key row each
 DECODE_THREADS = 256  # 8 warps: 256 / (head_dim / 8) keys read side by side, 32 at head_dim 64
 DECODE_UNROLL = 4  # keys a thread group takes per iteration: their loads all issued first, one softmax rescale for
-# the tile (a 64-sequence step 33.1 us vs 38.5 rescaling per key; 2 keys 38.3, 8 spill registers at GROUP 4)
+# the tile (H200, 64 sequences: 33.1 us vs 38.5 rescaling per key; 2 keys 38.3; 8 keys need more than 128 registers
+# a thread at GROUP 4: one block an SM, or spills)
 DECODE_HEAD_DIMS = (16, 32, 64, 128, 256)  # a key row (head_dim / 8 threads) must fit in one warp
 SPLIT_MAX_ROWS = 16  # paged attention splits a context only for up to this many sequences (the workspace's rows)
 MAX_SPLITS = 16  # ... into at most this many parts: batch 1 x 8 K/V heads x 16 = 128 blocks, ~1 per SM of an H200
