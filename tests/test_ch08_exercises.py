@@ -317,3 +317,6 @@ def test_measured_section_says_pending_without_a_fused_result_and_shows_one(tmp_
     (tmp_path / "decode-20991231-000000.json").write_text(json.dumps(fused))
     table = plots.measured_after_fusion_markdown(tmp_path)
     assert "decode-20991231-000000.json" in table and "1.234" in table and "0.987" in table and "gemv_add" in table
+    other_gpu = dict(fused, machine={**H200_RUN["machine"], "gpu": "NVIDIA H100 80GB HBM3"})
+    (tmp_path / "decode-20991231-120000.json").write_text(json.dumps(other_gpu))   # newer, but another floor
+    assert plots.newest_fused_result(tmp_path)[0] == "decode-20991231-000000.json"
