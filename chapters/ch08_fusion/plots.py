@@ -4,8 +4,8 @@ kernels is recorded, after; the bandwidth each op reaches; and what each kernel 
 
 The chapter's README shows two generated parts: the per-layer tables (layer_table_markdown) and the
 section "Measured after fusion" (measured_after_fusion_markdown), written from the newest
-bench/results/decode-*.json that has a "fused" entry. `python -m chapters.ch08_fusion.plots` rewrites
-that section; tests/test_ch08_exercises.py checks that both are up to date.
+bench/results/decode-*.json that has a "fused" entry and the before run's GPU. `python -m chapters.ch08_fusion.plots`
+rewrites that section; tests/test_ch08_exercises.py checks that both are up to date.
 """
 from __future__ import annotations
 
